@@ -1,0 +1,174 @@
+"""The run spec: the one contract between the plan and a training job.
+
+The planner derives every hyperparameter once and writes one ``RunSpec`` JSON per run
+(``results/<family>/plan/runs/<run>.json``). The training job, the monitor and the evaluation
+read only this file (plus the dataset it names): nothing downstream recomputes a scaling rule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArch(_Strict):
+    """Architecture of one size (Megatron-Core GPTModel)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    ffn_hidden: int
+    activation: Literal["gelu", "squared_relu", "swiglu"]
+    positions: Literal["rope", "alibi", "learned"]
+    vocab_size: int
+    seq_len: int
+    tied_embeddings: bool
+    norm_eps: float = 1e-5
+
+
+class Parameterization(_Strict):
+    """µP / CompleteP multipliers, per-group learning rates and init stds, already resolved.
+
+    Source: PAPER.md section 7 (Cerebras µP), CompleteP for depth (Dey et al. 2025).
+    """
+
+    kind: Literal["mup", "completep", "sp"]
+    d_base: int
+    depth_base: int
+    width_mult: float  # m_d = d_model / d_base
+    depth_mult: float  # m_L = n_layers / depth_base (1 when not CompleteP)
+    alpha_input: float  # embedding output multiplier
+    logit_multiplier: float  # alpha_output / m_d
+    residual_multiplier: float  # CompleteP (L_base/L)^alpha, 1.0 otherwise
+    attention_scale: float  # softmax scale: 1/d_head under µP
+    init_std_embedding: float
+    init_std_hidden: float
+    init_std_output_proj: float
+    init_std_unembedding: float
+    lr_embedding: float
+    lr_hidden: float  # the µP-adjusted peak LR eta used for tau
+    lr_output_proj: float
+    lr_unembedding: float
+    lr_norm_bias: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+
+
+class Optimization(_Strict):
+    """AdamW, schedule and the length of the run."""
+
+    seed: int
+    tokens: int  # D, realized after rounding to whole steps
+    batch_seqs: int  # global batch B in sequences
+    steps: int  # T
+    warmup_steps: int
+    lr_peak: float  # = Parameterization.lr_hidden
+    weight_decay: float  # lambda, from tau = B / (eta * lambda * D)
+    tau: float  # realized tau (fraction of training)
+    schedule: Literal["linear_d2z"] = "linear_d2z"
+    grad_clip: float = 1.0
+    stop_fraction: float = 1.0  # sweeps stop early but keep the full-length schedule
+
+
+class Parallelism(_Strict):
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_seqs: int
+    grad_accum: int  # batch_seqs = micro_batch_seqs * grad_accum * dp
+    gpus: int  # 0 on the CPU cluster: one gloo process per tp*pp*dp rank
+    nodes: int
+    procs_per_node: int
+
+
+class Resources(_Strict):
+    """What the scheduler is asked for (Snakemake resources / Slurm)."""
+
+    threads: int
+    mem_mb: int
+    gpus_per_node: int
+    nodes: int
+    runtime_min: int
+    slurm_partition: str = ""
+    slurm_account: str = ""
+
+
+class Logging(_Strict):
+    log_every_steps: int
+    eval_every_steps: int
+    eval_batches: int
+    checkpoint_every_steps: int
+    keep_checkpoints: int = 2
+
+
+class Monitor(_Strict):
+    """Online collapse monitor; inactive for the reference sizes themselves."""
+
+    enabled: bool = False
+    reference_csv: str = ""
+    every_steps: int = 0
+    threshold: float = 0.0
+    stop_on_alarm: bool = False
+
+
+class FaultInjection(_Strict):
+    """Off by default; see the reliability experiment."""
+
+    kind: Literal["none", "loss_bias", "lr_spike", "data_repeat", "nan"] = "none"
+    at_fraction: float = 0.0
+    magnitude: float = 0.0
+
+
+class RunSpec(_Strict):
+    run: str
+    family: str
+    size: str
+    tpp_band: float  # the requested TPP
+    tpp: float  # realized TPP = tokens / params
+    role: Literal["family", "sweep"] = "family"
+    sweep: str = ""
+    variant: dict[str, float] = Field(default_factory=dict)
+    params: int  # N, all parameters, embeddings included
+    params_non_embedding: int
+    flops_6nd: float
+    flops: float  # Table 9 accounting
+    dataset_prefix: str  # Megatron indexed dataset prefix (train split)
+    valid_prefix: str  # held-out split
+    tokenizer: str  # tokenizer file (EOD token id is always 0)
+    run_dir: str  # declared outputs: curve.parquet, valid.parquet, meta.json, monitor.jsonl
+    checkpoint_dir: str  # outside the declared outputs, so a rerun resumes
+    model: ModelArch
+    mup: Parameterization
+    optim: Optimization
+    parallel: Parallelism
+    resources: Resources
+    logging: Logging
+    monitor: Monitor = Field(default_factory=Monitor)
+    fault: FaultInjection = Field(default_factory=FaultInjection)
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunSpec:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` unless the file already holds it, so unchanged runs never rerun."""
+    if path.exists() and path.read_text() == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return True
