@@ -1,0 +1,355 @@
+"""Loss curves from anywhere: read, attach per-run metadata, smooth, resample, normalize.
+
+Every analysis stage (reference, gates, family statistics, early-stopping prediction) works on
+the same two shapes:
+
+- ``Curves``: the long table (one row per logged step and run) plus one metadata row per run;
+- ``CurveMatrix``: smoothed loss resampled onto a common t_hat grid, one row per run, so the
+  family statistics are plain numpy reductions over axis 0.
+
+Input formats (see ``read_curves``): this project's run directories
+(``results/<family>/runs/<run>/curve.parquet`` with ``layout.CURVE_COLUMNS`` and the plan's
+``runs.csv``), or any CSV/Parquet with columns ``run, step, loss`` (optionally ``tokens``,
+``t_hat``) plus per-run metadata columns such as ``size`` or ``params``, ``tpp``, ``tau``,
+``schedule``, ``seed``, ``steps`` (absent ones are simply not used).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REQUIRED_COLUMNS = ("run", "step", "loss")
+# Per-step columns of the long table; any other column constant within a run is metadata.
+STEP_COLUMNS = ("run", "step", "tokens", "t_hat", "loss", "loss_smooth")
+# Metadata the analysis understands (others are carried along untouched).
+META_COLUMNS = ("size", "params", "tpp", "tau", "schedule", "seed", "steps", "batch_seqs")
+# A run counts as complete when its last point reaches this fraction of its full length.
+COMPLETE_T_HAT = 1.0 - 1e-3
+# Paper (PAPER.md section 2): moving average over 100 steps; capped for short runs (below).
+PAPER_WINDOW_STEPS = 100
+SHORT_RUN_WINDOW_FRACTION = 0.02
+
+
+def default_grid(n_points: int = 200) -> np.ndarray:
+    """Common t_hat grid (1/n, 2/n, ..., 1): ends exactly at t_hat = 1 where ell = 1."""
+    return np.arange(1, n_points + 1, dtype=float) / n_points
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Long per-step table ``data`` (sorted by run, step) and per-run ``meta`` (index ``run``).
+
+    ``meta`` always has ``t_hat_max`` (how far the run got) and ``complete`` (reached t_hat 1);
+    ``data`` always has ``t_hat``.
+    """
+
+    data: pd.DataFrame
+    meta: pd.DataFrame
+
+    @property
+    def runs(self) -> list[str]:
+        return list(self.meta.index)
+
+    def select(self, runs: Iterable[str]) -> Curves:
+        keep = list(runs)
+        return Curves(self.data[self.data["run"].isin(keep)], self.meta.loc[keep])
+
+
+@dataclass(frozen=True)
+class CurveMatrix:
+    """Smoothed loss on a common t_hat grid: ``loss[i]`` belongs to run ``meta.index[i]``.
+
+    ``loss`` is NaN where a run has no data (a partial run beyond its last step).
+    ``meta["final_loss"]`` is L(T), the smoothed loss at t_hat = 1 (NaN for partial runs).
+    """
+
+    grid: np.ndarray
+    loss: np.ndarray
+    meta: pd.DataFrame
+
+    def select(self, mask: np.ndarray | Sequence[bool]) -> CurveMatrix:
+        mask = np.asarray(mask, dtype=bool)
+        return CurveMatrix(self.grid, self.loss[mask], self.meta[mask])
+
+    def normalized(self, offset: float = 0.0) -> np.ndarray:
+        """ell = (L - L0) / (L(T) - L0) for every run (PAPER.md section 2)."""
+        return normalize(self.loss, self.meta["final_loss"].to_numpy(float), offset)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_table(path: str | Path) -> pd.DataFrame:
+    """One CSV (optionally compressed) or Parquet file as a DataFrame."""
+    path = Path(path)
+    suffixes = "".join(path.suffixes).lower()
+    if ".parquet" in suffixes or ".pq" in suffixes:
+        return pd.read_parquet(path)
+    if ".csv" in suffixes or ".tsv" in suffixes:
+        return pd.read_csv(path, sep="\t" if ".tsv" in suffixes else ",")
+    raise ValueError(f"{path}: unknown file type; give a .csv, .csv.gz, .tsv or .parquet file")
+
+
+def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
+    """Curve files and the plan's runs.csv (if any) behind one path given on the command line."""
+    if source.is_file():
+        return [source], None
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    if (source / "curve.parquet").is_file():  # one run directory
+        runs_csv = source.parent.parent / "plan" / "runs.csv"
+        return [source / "curve.parquet"], runs_csv if runs_csv.is_file() else None
+    runs_csv = source / "plan" / "runs.csv"  # a family directory, results/<family>
+    files = sorted(source.glob("runs/*/curve.parquet")) or sorted(source.glob("*/curve.parquet"))
+    if not files:
+        files = sorted(source.glob("**/curve.parquet"))
+    if not files:
+        raise FileNotFoundError(
+            f"{source}: no curve.parquet below this directory; give curve files or a "
+            "results/<family> directory"
+        )
+    if not runs_csv.is_file() and (source.parent / "plan" / "runs.csv").is_file():
+        runs_csv = source.parent / "plan" / "runs.csv"  # results/<family>/runs was given
+    return files, runs_csv if runs_csv.is_file() else None
+
+
+def read_curves(
+    sources: str | Path | Sequence[str | Path],
+    runs_csv: str | Path | pd.DataFrame | None = None,
+) -> Curves:
+    """Curves from files or directories, with per-run metadata attached.
+
+    ``sources``: CSV/Parquet files with ``run, step, loss`` (+ optional ``tokens``, ``t_hat``
+    and per-run metadata columns), run directories holding ``curve.parquet``, or a
+    ``results/<family>`` directory. ``runs_csv``: a table with one row per ``run`` (the plan's
+    ``runs.csv``); found automatically next to a family directory when not given.
+    """
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    frames, found_meta = [], []
+    for source in sources:
+        files, meta_path = _expand_source(Path(source))
+        frames += [read_table(f) for f in files]
+        if meta_path is not None:
+            found_meta.append(meta_path)
+    if runs_csv is None and found_meta:
+        runs_csv = found_meta[0]
+    if isinstance(runs_csv, (str, Path)):
+        runs_csv = read_table(runs_csv)
+    return curves_from_frame(pd.concat(frames, ignore_index=True), runs_csv)
+
+
+def _check_columns(df: pd.DataFrame) -> None:
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"curve table lacks column(s) {missing} (has {list(df.columns)}); a curve file needs "
+            "one row per logged step with columns run, step, loss: rename yours to these names"
+        )
+
+
+def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -> Curves:
+    """Validate a long table, split off per-run metadata, and give every row its t_hat.
+
+    t_hat = step / full length of the run (PAPER.md section 2): taken from a ``t_hat`` column
+    when present, else from a ``steps`` (total steps) metadata column, else from the run's
+    largest step (then the run is assumed complete). A partial run with known length stays
+    partial, so it is never normalized by a loss that is not its final one.
+    """
+    _check_columns(df)
+    df = df.copy()
+    df["run"] = df["run"].astype(str)
+    df["step"] = pd.to_numeric(df["step"], errors="raise")
+    df["loss"] = pd.to_numeric(df["loss"], errors="coerce").astype(float)  # NaN stays NaN
+    if df.duplicated(["run", "step"]).any():
+        dup = df.loc[df.duplicated(["run", "step"]), ["run", "step"]].iloc[0].tolist()
+        raise ValueError(
+            f"curve table has duplicate (run, step) rows, e.g. {dup}; keep one row per logged "
+            "step (a resumed run must not log a step twice)"
+        )
+    df = df.sort_values(["run", "step"], kind="stable", ignore_index=True)
+
+    # per-run metadata: columns constant within every run (besides the per-step ones)
+    grouped = df.groupby("run", sort=True)
+    candidates = [c for c in df.columns if c not in STEP_COLUMNS]
+    constant = [c for c in candidates if (grouped[c].nunique(dropna=False) <= 1).all()]
+    meta = grouped[constant].first() if constant else pd.DataFrame(index=grouped.size().index)
+    df = df[[c for c in df.columns if c in STEP_COLUMNS or c not in constant]]
+    if runs_meta is not None:
+        if "run" not in runs_meta.columns:
+            raise ValueError("runs table lacks column 'run'; it needs one row per run named 'run'")
+        extra = runs_meta.assign(run=runs_meta["run"].astype(str)).set_index("run")
+        extra = extra[~extra.index.duplicated()]
+        meta = meta.join(extra[[c for c in extra.columns if c not in meta.columns]], how="left")
+    meta.index.name = "run"
+
+    if "t_hat" not in df.columns or df["t_hat"].isna().all():
+        if "steps" in meta.columns and meta["steps"].notna().all():
+            total = df["run"].map(meta["steps"]).astype(float)
+        else:
+            total = grouped["step"].transform("max").astype(float)
+        df["t_hat"] = df["step"] / total
+    meta["t_hat_max"] = df.groupby("run", sort=True)["t_hat"].max()
+    meta["complete"] = meta["t_hat_max"] >= COMPLETE_T_HAT
+    return Curves(df, meta)
+
+
+# ---------------------------------------------------------------- smoothing
+
+
+def default_window_steps(total_steps: int | np.ndarray) -> np.ndarray:
+    """Smoothing window in steps: the paper's 100 (PAPER.md section 2), at most 2 % of a run.
+
+    The cap keeps the window the same fraction of training for short runs, so runs of different
+    length lag their raw loss by the same t_hat.
+    """
+    total = np.asarray(total_steps, dtype=float)
+    return np.clip(np.round(SHORT_RUN_WINDOW_FRACTION * total), 1, PAPER_WINDOW_STEPS).astype(int)
+
+
+def trailing_mean(
+    values: np.ndarray, steps: np.ndarray, groups: np.ndarray, window_steps: np.ndarray
+) -> np.ndarray:
+    """Trailing moving average over the last ``window_steps`` steps, within each group.
+
+    Vectorized over all runs at once with cumulative sums; causal (only past steps enter), so
+    the online monitor sees exactly what the offline analysis sees. A NaN inside a window makes
+    that window NaN (a diverged run must not look smooth). Inputs are sorted by (group, step).
+    """
+    values = np.asarray(values, dtype=float)
+    n = len(values)
+    if n == 0:
+        return values.copy()
+    bad = ~np.isfinite(values)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, values))])
+    cbad = np.concatenate([[0], np.cumsum(bad)])
+    # one sortable key per row that never reaches into the previous group
+    steps = np.asarray(steps, dtype=np.int64)
+    span = int(steps.max() - min(steps.min(), 0) + np.max(window_steps) + 1)
+    _, group_code = np.unique(groups, return_inverse=True)
+    key = group_code.astype(np.int64) * span + steps
+    start = np.searchsorted(key, key - np.asarray(window_steps, dtype=np.int64) + 1, side="left")
+    end = np.arange(1, n + 1)
+    mean = (csum[end] - csum[start]) / (end - start)
+    mean[(cbad[end] - cbad[start]) > 0] = np.nan
+    return mean
+
+
+def smooth(
+    curves: Curves,
+    window_steps: int | None = None,
+    window_seqs: int | None = None,
+) -> Curves:
+    """Add ``loss_smooth``: the trailing mean of ``loss`` (PAPER.md section 2).
+
+    The window is given in steps, or in sequences (converted per run with the ``batch_seqs``
+    metadata column, so runs with different batch sizes average the same amount of data);
+    by default ``default_window_steps`` of each run's length.
+    """
+    data, meta = curves.data, curves.meta
+    if window_steps is not None and window_seqs is not None:
+        raise ValueError("give the smoothing window in steps or in sequences, not both")
+    if window_seqs is not None:
+        if "batch_seqs" not in meta.columns or meta["batch_seqs"].isna().any():
+            raise ValueError(
+                "a smoothing window in sequences needs the per-run metadata column batch_seqs "
+                "(sequences per step); add it or give the window in steps"
+            )
+        per_run = np.maximum(1, np.ceil(window_seqs / meta["batch_seqs"].astype(float)))
+    elif window_steps is not None:
+        if window_steps < 1:
+            raise ValueError(f"window_steps must be >= 1, got {window_steps}")
+        per_run = pd.Series(window_steps, index=meta.index)
+    else:
+        total = data.groupby("run", sort=True)["step"].max()
+        if "steps" in meta.columns and meta["steps"].notna().all():
+            total = meta["steps"]
+        per_run = pd.Series(default_window_steps(total.to_numpy()), index=total.index)
+    window = data["run"].map(per_run).to_numpy(dtype=np.int64)
+    out = data.copy()
+    out["loss_smooth"] = trailing_mean(
+        data["loss"].to_numpy(), data["step"].to_numpy(), data["run"].to_numpy(), window
+    )
+    return replace(curves, data=out, meta=meta.assign(window_steps=per_run.astype(int)))
+
+
+# ---------------------------------------------------------------- resampling, normalization
+
+
+def resample(
+    curves: Curves, grid: np.ndarray | None = None, column: str = "loss_smooth"
+) -> CurveMatrix:
+    """Interpolate each run's ``column`` onto the common t_hat ``grid`` (NaN outside its range).
+
+    ``column`` defaults to the smoothed loss (call ``smooth`` first). The run's final loss
+    L(T) is its value at t_hat = 1, defined only for complete runs.
+    """
+    grid = default_grid() if grid is None else np.asarray(grid, dtype=float)
+    if column not in curves.data.columns:
+        raise ValueError(f"curves have no column {column!r}; call smooth() before resample()")
+    data = curves.data
+    runs = curves.meta.index
+    codes = pd.Categorical(data["run"], categories=runs).codes
+    bounds = np.searchsorted(codes, np.arange(len(runs) + 1))
+    t_all = data["t_hat"].to_numpy(float)
+    y_all = data[column].to_numpy(float)
+    out = np.full((len(runs), len(grid)), np.nan)
+    final = np.full(len(runs), np.nan)
+    for i in range(len(runs)):
+        t, y = t_all[bounds[i] : bounds[i + 1]], y_all[bounds[i] : bounds[i + 1]]
+        if len(t) == 0:
+            continue
+        last = 1.0 if t[-1] >= COMPLETE_T_HAT else t[-1]  # complete: the grid reaches 1
+        inside = (grid >= t[0]) & (grid <= last + 1e-12)
+        out[i, inside] = np.interp(grid[inside], t, y)
+        if t[-1] >= COMPLETE_T_HAT:
+            final[i] = y[-1]
+    meta = curves.meta.assign(final_loss=final)
+    return CurveMatrix(grid, out, meta)
+
+
+def normalize(loss: np.ndarray, final_loss: np.ndarray | float, offset: float = 0.0) -> np.ndarray:
+    """ell = (L - L0) / (L(T) - L0); L0 = 0 is the collapse paper's choice, Qiu et al. fit one.
+
+    Source: PAPER.md section 2. ``final_loss`` broadcasts per row (one L(T) per run).
+    """
+    final = np.asarray(final_loss, dtype=float)
+    if final.ndim == 1 and np.ndim(loss) == 2:
+        final = final[:, None]
+    return (np.asarray(loss, dtype=float) - offset) / (final - offset)
+
+
+# ---------------------------------------------------------------- sizes
+
+_SIZE_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _size_number(size: str) -> float:
+    match = re.search(r"(\d+(?:\.\d+)?)\s*([kmbgt]?)", str(size).lower())
+    return float(match.group(1)) * _SIZE_SUFFIX[match.group(2)] if match else np.inf
+
+
+def size_labels(meta: pd.DataFrame) -> pd.Series:
+    """Each run's size label: the ``size`` column, else ``params``, else the run itself."""
+    if "size" in meta.columns and meta["size"].notna().all():
+        return meta["size"].astype(str)
+    if "params" in meta.columns and meta["params"].notna().all():
+        return meta["params"].astype(np.int64).astype(str)
+    return pd.Series(meta.index.astype(str), index=meta.index)
+
+
+def ordered_sizes(meta: pd.DataFrame) -> list[str]:
+    """Size labels from smallest to largest: by median ``params`` when known, else by the number
+    in the label ("d64", "300M", "1.8B"), else alphabetically."""
+    labels = size_labels(meta)
+    if "params" in meta.columns and meta["params"].notna().all():
+        key = meta["params"].astype(float).groupby(labels).median()
+    else:
+        key = pd.Series({s: _size_number(s) for s in labels.unique()})
+    return sorted(labels.unique(), key=lambda s: (key[s], s))
