@@ -1,0 +1,151 @@
+"""Final-loss prediction from partial curves on synthetic families of known truth.
+
+Every curve is an Eq. 4 surrogate shape under linear warmup + decay to zero (PAPER.md section 5)
+times a per-run final loss, plus batch noise: the late D2Z drop is what makes "current" and
+naive power laws overestimate, and what the collapse method must get right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from collapse.predict import (
+    METHODS,
+    Prediction,
+    alignment_window,
+    predict_final_loss,
+)
+from collapse.surrogate import eq4_ell
+
+STEPS = 1000
+T_HAT = np.arange(1, STEPS + 1) / STEPS
+SHAPE_B, SHAPE_Q = 0.12, 1.0  # ell(0.3) ~ 1.14, like the tiny family's curves
+NOISE_REL = 0.02  # per-step relative batch noise
+SMOOTH_STEPS = 20  # trailing window: 2 % of the run
+
+
+def smoothed(loss: np.ndarray) -> np.ndarray:
+    """Trailing moving average: causal, so cutting after smoothing equals smoothing the cut."""
+    return pd.Series(loss).rolling(SMOOTH_STEPS, min_periods=1).mean().to_numpy()
+
+
+def noisy_run(final_loss: float, seed: int, b: float = SHAPE_B) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    clean = final_loss * eq4_ell(T_HAT, b, SHAPE_Q)
+    return smoothed(clean * (1 + NOISE_REL * rng.standard_normal(STEPS)))
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[np.ndarray, np.ndarray]:
+    """Mean normalized curve of three noisy small runs."""
+    curves = [noisy_run(loss, seed) for seed, loss in enumerate((4.0, 3.7, 3.4))]
+    return T_HAT, np.mean([c / c[-1] for c in curves], axis=0)
+
+
+@pytest.fixture(scope="module")
+def family() -> list[np.ndarray]:
+    """Six larger runs of the same shape; truth is each smoothed curve's last value."""
+    return [noisy_run(loss, 100 + i) for i, loss in enumerate(np.linspace(2.6, 3.3, 6))]
+
+
+def cut(curve: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    keep = np.less_equal(T_HAT, fraction + 1e-12)
+    return T_HAT[keep], curve[keep]
+
+
+def test_alignment_window_is_the_partial_span_after_its_first_fifth():
+    assert alignment_window(0.3) == pytest.approx((0.06, 0.3))
+    assert alignment_window(0.1) == pytest.approx((0.02, 0.1))
+    assert alignment_window(0.05) == pytest.approx((0.02, 0.05))  # floor: skip the first steps
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            alignment_window(bad)
+
+
+def test_points_before_the_window_do_not_change_the_prediction(reference):
+    curve = 3.0 * eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(curve, 0.3)
+    bumped = np.where(t < 0.06 - 1e-9, y * 1.5, y)
+    inside = np.where((t > 0.1) & (t < 0.2), y * 1.05, y)
+    ref_t, ref_ell = T_HAT, eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    base = predict_final_loss(t, y, ref_t, ref_ell).final_loss
+    assert predict_final_loss(t, bumped, ref_t, ref_ell).final_loss == pytest.approx(base)
+    assert predict_final_loss(t, inside, ref_t, ref_ell).final_loss > base * 1.01
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.5])
+def test_collapse_is_exact_on_the_reference_shape(offset):
+    ell = eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    curve = offset + (3.0 - offset) * ell  # ell = (L - L0) / (L(T) - L0)
+    t, y = cut(curve, 0.2)
+    p = predict_final_loss(t, y, T_HAT, ell, offset=offset)
+    assert p == Prediction(pytest.approx(3.0), pytest.approx(3.0), pytest.approx(3.0), "collapse")
+
+
+def test_reference_band_widens_the_bounds():
+    ell = eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(3.0 * ell, 0.3)
+    band = 0.01 * (ell - 1)  # zero width at t_hat 1, where every ell is 1
+    p = predict_final_loss(t, y, T_HAT, ell, reference_lower=ell - band, reference_upper=ell + band)
+    assert p.lower < 3.0 < p.upper
+    assert 3.0 - p.lower == pytest.approx(3.0 * (1 - 1 / (1 + 0.01 * (ell[300] - 1))), rel=0.5)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.2, 0.3])
+def test_collapse_error_within_noise_and_far_below_current(reference, family, fraction):
+    ref_t, ref_ell = reference
+    errors = {m: [] for m in METHODS}
+    covered = 0
+    for curve in family:
+        truth = curve[-1]
+        t, y = cut(curve, fraction)
+        for method in METHODS:
+            p = predict_final_loss(t, y, ref_t, ref_ell, method=method)
+            assert p.lower <= p.final_loss <= p.upper
+            errors[method].append(abs(p.final_loss - truth) / truth)
+            if method == "collapse":
+                covered += p.lower <= truth <= p.upper
+    smoothed_noise = NOISE_REL / np.sqrt(SMOOTH_STEPS)  # ~0.45 %: noise of one smoothed point
+    assert np.max(errors["collapse"]) < 2.5 * smoothed_noise
+    assert np.mean(errors["collapse"]) < 1.5 * smoothed_noise
+    assert covered >= len(family) - 1
+    assert np.mean(errors["current"]) > 10 * np.mean(errors["collapse"])
+    assert np.mean(errors["powerlaw"]) > 3 * np.mean(errors["collapse"])
+
+
+def test_baselines_overestimate_under_decay_to_zero():
+    """The paper's warning: the late D2Z drop is invisible to the loss now and to power laws."""
+    curve = 3.0 * eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(curve, 0.3)
+    current = predict_final_loss(t, y, method="current")
+    assert current.final_loss == pytest.approx(y[-1])
+    assert predict_final_loss(t, y, method="powerlaw").final_loss > 3.0 * 1.03
+
+
+def test_powerlaw_recovers_a_true_power_law():
+    a, b, c = 2.0, 0.5, 0.3
+    t, y = cut(a + b * T_HAT**-c, 0.3)
+    p = predict_final_loss(t, y, method="powerlaw")
+    assert p.final_loss == pytest.approx(a + b, rel=5e-3)
+    assert p.lower <= a + b <= p.upper
+
+
+def test_powerlaw_respects_the_offset_as_floor():
+    t, y = cut(2.0 + 0.5 * T_HAT**-0.3, 0.3)
+    assert predict_final_loss(t, y, method="powerlaw", offset=2.4).final_loss >= 2.4
+
+
+def test_bad_input_names_the_fix():
+    ell = eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(3.0 * ell, 0.3)
+    with pytest.raises(ValueError, match="method 'oracle' is unknown"):
+        predict_final_loss(t, y, T_HAT, ell, method="oracle")
+    with pytest.raises(ValueError, match="needs reference_t_hat"):
+        predict_final_loss(t, y, method="collapse")
+    with pytest.raises(ValueError, match="offset"):
+        predict_final_loss(t, y, T_HAT, ell, offset=10.0)
+    with pytest.raises(ValueError, match="log the loss more often"):
+        predict_final_loss(t[::120], y[::120], T_HAT, ell)
+    with pytest.raises(ValueError, match="reference covers"):
+        predict_final_loss(t, y, T_HAT[500:], ell[500:])
