@@ -149,3 +149,89 @@ def test_bad_input_names_the_fix():
         predict_final_loss(t[::120], y[::120], T_HAT, ell)
     with pytest.raises(ValueError, match="reference covers"):
         predict_final_loss(t, y, T_HAT[500:], ell[500:])
+
+
+# ---------------------------------------------------------------- the command
+
+
+def write_family_csv(path) -> None:
+    """Two reference sizes, three complete larger runs and one stopped at 40 %."""
+    rows = []
+    runs = [("ref_a", "s1", 4.0), ("ref_b", "s2", 3.7)]
+    runs += [(f"big_{i}", "s3", loss) for i, loss in enumerate((3.0, 2.9, 2.8, 2.7))]
+    for seed, (run, size, final_loss) in enumerate(runs):
+        rng = np.random.default_rng(seed)
+        loss = final_loss * eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+        loss *= 1 + NOISE_REL * rng.standard_normal(STEPS)
+        logged = slice(0, 400) if run == "big_3" else slice(None)
+        steps = np.arange(1, STEPS + 1)[logged]
+        rows.append(pd.DataFrame({"run": run, "step": steps, "loss": loss[logged]}))
+        rows[-1]["size"], rows[-1]["steps"], rows[-1]["seed"] = size, STEPS, seed
+    pd.concat(rows).to_csv(path, index=False)
+
+
+def run_cli(argv: list[str]) -> int:
+    from collapse.cli import build_parser
+
+    args = build_parser({"predict": "collapse.predict"}).parse_args(["predict", *argv])
+    return args.func(args)
+
+
+def test_cli_predicts_runs_outside_the_reference(tmp_path, capsys):
+    curves = tmp_path / "curves.csv"
+    write_family_csv(curves)
+    out = tmp_path / "out"
+    argv = [str(curves), "--reference-sizes", "s1,s2", "--fraction", "0.1", "0.3", "0.5"]
+    assert run_cli([*argv, "--out", str(out), "--sweep-report"]) == 0
+    table = pd.read_csv(out / "predictions.csv")
+    assert list(table.columns) == [
+        "run",
+        "fraction",
+        "predicted_final_loss",
+        "lower",
+        "upper",
+        "method",
+        "true_final_loss",
+        "abs_error_pct",
+    ]
+    assert sorted(table["run"].unique()) == ["big_0", "big_1", "big_2", "big_3"]
+    # three complete runs x 3 fractions, the run stopped at 40 % only at 0.1 and 0.3; 3 methods
+    assert len(table) == 3 * (3 * 3 + 2)
+    partial = table[table["run"] == "big_3"]
+    assert sorted(partial["fraction"].unique()) == [0.1, 0.3]
+    assert partial["true_final_loss"].isna().all() and partial["abs_error_pct"].isna().all()
+    error = table.dropna().groupby("method")["abs_error_pct"].mean()
+    assert error["collapse"] < 1.0 < 10 < error["current"]
+    assert (out / "sweep_metrics.md").read_text().count("| collapse |") == 3
+    assert "mean absolute error" in capsys.readouterr().out
+
+
+def test_cli_with_a_reference_file_predicts_every_run(tmp_path):
+    curves = tmp_path / "curves.csv"
+    write_family_csv(curves)
+    ell = smoothed(eq4_ell(T_HAT, SHAPE_B, SHAPE_Q))
+    ell = ell / ell[-1]
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    pd.DataFrame({"t_hat": T_HAT, "ell": ell, "lower": ell, "upper": ell}).to_csv(
+        ref_dir / "reference.csv", index=False
+    )
+    out = tmp_path / "out"
+    assert (
+        run_cli([str(curves), "--reference", str(ref_dir), "--fraction", "0.2", "--out", str(out)])
+        == 0
+    )
+    table = pd.read_csv(out / "predictions.csv")
+    assert table["run"].nunique() == 6
+    collapse = table[table["method"] == "collapse"].dropna()
+    assert collapse["abs_error_pct"].max() < 1.0
+
+
+def test_cli_names_the_sizes_it_has(tmp_path, capsys):
+    curves = tmp_path / "curves.csv"
+    write_family_csv(curves)
+    argv = [str(curves), "--reference-sizes", "s9", "--fraction", "0.3", "--out", str(tmp_path)]
+    assert run_cli(argv) == 2
+    assert "s1, s2, s3" in capsys.readouterr().err
+    assert run_cli([*argv[:2], "s1", "--fraction", "1.5", "--out", str(tmp_path)]) == 2
+    assert "fraction 1.5" in capsys.readouterr().err

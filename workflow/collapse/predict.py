@@ -13,12 +13,18 @@ loading, cutting and smoothing.
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from scipy.optimize import lsq_linear
 
-from collapse.reference import early_align
+from collapse.curves import Curves, ordered_sizes, read_curves, resample, size_labels, smooth
+from collapse.reference import ReferenceCurve, early_align, reference_curve
 
 METHODS = ("collapse", "current", "powerlaw")
 
@@ -214,3 +220,221 @@ def predict_final_loss(
     if method == "powerlaw":
         return predict_powerlaw(partial_t_hat, partial_loss, offset=offset, window=window)
     raise ValueError(f"method {method!r} is unknown: choose one of {', '.join(METHODS)}")
+
+
+# ---------------------------------------------------------------- curves from anywhere
+
+PREDICTION_COLUMNS = (
+    "run",
+    "fraction",
+    "predicted_final_loss",  # nats/token, like the loss
+    "lower",
+    "upper",
+    "method",
+    "true_final_loss",  # smoothed loss at t_hat = 1; NaN when the run is not complete
+    "abs_error_pct",  # 100 |predicted - true| / true
+)
+
+
+def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float = 0.0):
+    """The reference curve of the named sizes' complete runs (normalized, averaged).
+
+    Source: PAPER.md section 5, step 1. ``curves`` must be smoothed (``curves.smooth``).
+    """
+    labels = size_labels(curves.meta)
+    wanted = [str(s).strip() for s in sizes if str(s).strip()]
+    unknown = [s for s in wanted if s not in set(labels)]
+    if unknown or not wanted:
+        raise ValueError(
+            f"--reference-sizes {','.join(wanted)}: no runs of size(s) {', '.join(unknown)}; "
+            f"the curves have sizes {', '.join(ordered_sizes(curves.meta))} (from the size "
+            "column, else params)"
+        )
+    runs = labels.index[labels.isin(wanted)]
+    return reference_curve(resample(curves.select(runs)), offset=offset), list(runs)
+
+
+def predict_runs(
+    curves: Curves,
+    reference: ReferenceCurve,
+    fractions: Sequence[float],
+    *,
+    runs: Sequence[str] | None = None,
+    offset: float = 0.0,
+) -> pd.DataFrame:
+    """Cut every run at each fraction of its own length and predict it by every method.
+
+    ``curves`` must be smoothed (``curves.smooth``: trailing, so the cut curve sees no future).
+    t_hat comes from the curves (step / full length: the ``steps`` column, else the largest
+    step). A run that has not reached a fraction is skipped there. One row per run x fraction
+    x method, columns PREDICTION_COLUMNS (plus ``sweep`` when the metadata has it).
+    """
+    data = curves.data
+    if "loss_smooth" not in data.columns:
+        raise ValueError("curves have no loss_smooth column: call collapse.curves.smooth first")
+    rows = []
+    for run in runs if runs is not None else curves.runs:
+        curve = data[data["run"] == run]
+        t_hat = curve["t_hat"].to_numpy(float)
+        loss = curve["loss_smooth"].to_numpy(float)
+        complete = bool(curves.meta.at[run, "complete"])
+        truth = float(loss[-1]) if complete else np.nan
+        for fraction in fractions:
+            window = alignment_window(fraction)
+            if t_hat.max() < fraction - 1e-9:
+                continue
+            keep = t_hat <= fraction + 1e-9
+            for method in METHODS:
+                try:
+                    p = predict_final_loss(
+                        t_hat[keep],
+                        loss[keep],
+                        reference.t_hat,
+                        reference.ell,
+                        method=method,
+                        reference_lower=reference.lower,
+                        reference_upper=reference.upper,
+                        offset=offset,
+                        window=window,
+                    )
+                except ValueError as err:
+                    raise ValueError(f"run {run} at fraction {fraction}, {method}: {err}") from err
+                rows.append(
+                    {
+                        "run": run,
+                        "fraction": float(fraction),
+                        "predicted_final_loss": p.final_loss,
+                        "lower": p.lower,
+                        "upper": p.upper,
+                        "method": method,
+                        "true_final_loss": truth,
+                        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
+                    }
+                )
+    table = pd.DataFrame(rows, columns=list(PREDICTION_COLUMNS))
+    if "sweep" in curves.meta.columns:
+        table["sweep"] = table["run"].map(curves.meta["sweep"]).fillna("").astype(str)
+    return table
+
+
+# ---------------------------------------------------------------- command line
+
+INPUT_FORMAT = """\
+input (CURVES, the same as `collapse analyze`):
+  CSV (.csv, .csv.gz, .tsv) or Parquet files with one row per logged step and columns
+    run    run name
+    step   optimizer step, 1-based
+    loss   training loss of the step (nats/token)
+  optional per-step columns: tokens, t_hat (step / total steps of the full schedule);
+  optional per-run metadata columns (constant within a run): size or params (what
+  --reference-sizes matches), steps (the run's full length: without it the largest logged
+  step is taken as the end, so a partial run needs steps or t_hat), tpp, tau, schedule, seed,
+  sweep (groups runs for --sweep-report). A results/<family> directory or run directories
+  holding curve.parquet work too (metadata then comes from plan/runs.csv).
+
+method:
+  the loss is smoothed by a trailing moving average (2 % of a run, at most 100 steps). Each run
+  not in the reference is cut at fraction F of its own length; over the alignment window
+  t_hat [max(0.2 F, 0.02), F] three predictions of its final loss are made:
+    collapse   the divisor L(T) that aligns (L - L0)/(L(T) - L0) with the reference
+               (PAPER.md section 5)
+    current    the smoothed loss at F
+    powerlaw   L(t) = a + b t^-c fitted on the window (a >= L0, b >= 0), extrapolated to 1
+  lower/upper: collapse: 2-sigma misfit and reference band; current: noise of the reading;
+  powerlaw: every exponent that fits within twice the best squared error.
+
+output: OUT/predictions.csv with columns run, fraction, predicted_final_loss, lower, upper,
+  method, true_final_loss, abs_error_pct (the last two NaN for runs that are not complete);
+  with --sweep-report also OUT/sweep_metrics.{csv,md,png,pdf}.
+"""
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "predict",
+        help="predict final losses from partial curves (early stopping)",
+        description="Predict each run's final loss from the first fraction(s) of its loss "
+        "curve by aligning it with a reference curve (Bergsma et al. 2025, section 5), beside "
+        "the 'current loss' and power-law baselines.",
+        epilog=INPUT_FORMAT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("curves", nargs="+", metavar="CURVES", help="curve files or directories")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--reference",
+        type=Path,
+        metavar="DIR/reference.csv",
+        help="a reference.csv (t_hat, ell, lower, upper) or the directory holding it",
+    )
+    source.add_argument(
+        "--reference-sizes",
+        metavar="S1,S2,...",
+        help="build the reference from these sizes' complete runs (size column, else params); "
+        "their runs are not predicted",
+    )
+    parser.add_argument(
+        "--fraction",
+        type=float,
+        nargs="+",
+        required=True,
+        metavar="F",
+        help="fraction(s) of each run's length to cut at, e.g. 0.1 0.2 0.3",
+    )
+    parser.add_argument(
+        "--offset",
+        type=float,
+        default=0.0,
+        metavar="L0",
+        help="irreducible loss subtracted before normalizing (default 0, the paper's choice)",
+    )
+    parser.add_argument("--runs-csv", type=Path, help="per-run metadata table with a run column")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--sweep-report",
+        action="store_true",
+        help="also write per-method error, selection regret and compute (needs complete runs)",
+    )
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        for fraction in args.fraction:
+            alignment_window(fraction)
+        curves = smooth(read_curves(args.curves, args.runs_csv))
+        if args.reference is not None:
+            path = args.reference / "reference.csv" if args.reference.is_dir() else args.reference
+            reference, reference_runs = ReferenceCurve.read_csv(path), []
+        else:
+            reference, reference_runs = reference_from_sizes(
+                curves, args.reference_sizes.split(","), offset=args.offset
+            )
+        targets = [r for r in curves.runs if r not in set(reference_runs)]
+        if not targets:
+            raise ValueError("every run belongs to the reference: give curves of other runs too")
+        table = predict_runs(curves, reference, args.fraction, runs=targets, offset=args.offset)
+        if table.empty:
+            raise ValueError(
+                f"no run reached fraction {min(args.fraction)}; give smaller --fraction values"
+            )
+        args.out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(args.out / "predictions.csv", index=False, float_format="%.6g")
+        print(f"predicted {table['run'].nunique()} runs -> {args.out / 'predictions.csv'}")
+        if table["true_final_loss"].notna().any():
+            summary = table.pivot_table("abs_error_pct", "fraction", "method", aggfunc="mean")
+            print("mean absolute error of the predicted final loss (%), complete runs:")
+            print(summary.round(2).to_string())
+        if args.sweep_report:
+            from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
+
+            complete = table.dropna(subset=["true_final_loss"])
+            if complete.empty:
+                raise ValueError("--sweep-report needs complete runs (their true final loss)")
+            metrics = sweep_metrics(table, truth_from_predictions(complete))
+            for path in write_sweep_report(metrics, args.out):
+                print(f"wrote {path}")
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
