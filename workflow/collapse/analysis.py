@@ -1,0 +1,816 @@
+"""Family-level collapse analysis and the ``collapse analyze`` command (PAPER.md sections 2-4).
+
+Pure statistics (``collapse_statistics``: Delta, sigma, supercollapse, score; ``gate_matrix``:
+every run's gate at once) and the entry points the Snakemake rules call, one per rule:
+
+- ``build_reference(curve_paths, runs_csv, reference_sizes, out_dir)``: reference.csv,
+  reference.json (summary), surrogate.json (Eq. 4 fit), reference.png;
+- ``gate_run(curve_path, reference, runs_csv, policy, out_json, out_png)``: one run's verdict;
+- ``family_statistics(curve_paths, runs_csv, out_dir)``: collapse.json, delta_sigma.csv,
+  collapse.png;
+- ``analyze(sources, out_dir)``: all of the above for curves from anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from collapse import curves as C
+from collapse.gates import GatePolicy, GateVerdict, blocks, evaluate_gate, plot_gate
+from collapse.reference import (
+    ALIGN_WINDOW,
+    ReferenceCurve,
+    aligned_residuals,
+    reference_curve,
+)
+from collapse.surrogate import WARMUP_FRACTION, SurrogateFit, fit_surrogate
+
+LATE_WINDOW = (0.5, 1.0)  # PAPER.md section 2: supercollapse late in training, delta up to 0.5
+SCORE_WINDOW = (0.2, 1.0)  # the score ignores the first 20 % (as the paper's fits do)
+SUPERCOLLAPSE_FRACTION = 0.9  # share of late-window points where Delta < sigma must hold
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class FamilyStats:
+    """Collapse of one family (PAPER.md section 2, after Qiu et al. 2025)."""
+
+    t_hat: np.ndarray
+    delta: np.ndarray  # std/mean of ell over all sizes and seeds
+    sigma: dict[str, np.ndarray]  # per size with >= 2 seeds: std/mean of L - L0 over seeds
+    sigma_mean: np.ndarray  # mean of sigma over those sizes (NaN if none)
+    supercollapse: bool | None  # None: no size has two seeds, so no noise floor
+    score: float  # mean Delta over SCORE_WINDOW: lower collapses better
+    delta_over_sigma: float | None  # mean Delta/sigma_mean over the late window
+    late_window: tuple[float, float]
+    sizes: list[str]
+    runs: list[str]
+    excluded: list[str] = field(default_factory=list)  # incomplete runs: no L(T) to normalize
+
+    def table(self) -> pd.DataFrame:
+        cols = {"t_hat": self.t_hat, "delta": self.delta}
+        cols |= {f"sigma_{size}": values for size, values in self.sigma.items()}
+        cols["sigma_mean"] = self.sigma_mean
+        return pd.DataFrame(cols)
+
+    def to_dict(self) -> dict:
+        return {
+            "t_hat": self.t_hat.tolist(),
+            "delta": self.delta.tolist(),
+            "sigma": {size: values.tolist() for size, values in self.sigma.items()},
+            "sigma_mean": self.sigma_mean.tolist(),
+            "supercollapse": self.supercollapse,
+            "score": self.score,
+            "score_definition": f"mean Delta(t_hat) over t_hat {list(SCORE_WINDOW)}",
+            "delta_over_sigma": self.delta_over_sigma,
+            "late_window": list(self.late_window),
+            "sizes": self.sizes,
+            "runs": self.runs,
+            "excluded_incomplete": self.excluded,
+        }
+
+
+def _in(grid: np.ndarray, window: tuple[float, float], include_end: bool = True) -> np.ndarray:
+    hi = grid <= window[1] if include_end else grid < window[1] - 1e-9
+    return (grid >= window[0]) & hi
+
+
+def collapse_statistics(
+    matrix: C.CurveMatrix,
+    offset: float = 0.0,
+    late_window: tuple[float, float] = LATE_WINDOW,
+    supercollapse_fraction: float = SUPERCOLLAPSE_FRACTION,
+) -> FamilyStats:
+    """Delta(t_hat), sigma(t_hat) per size, the supercollapse verdict and the family's score.
+
+    Source: PAPER.md section 2. Delta = std_{sizes,seeds}[ell] / mean[ell] (ddof 1) over the
+    complete runs; sigma_size = std_seeds[L - L0] / mean_seeds[L - L0] on the raw smoothed loss.
+    Supercollapse: Delta < mean sigma at >= ``supercollapse_fraction`` of the late-window
+    points (t_hat = 1 left out: there every ell is 1 by construction).
+    """
+    complete = np.isfinite(matrix.meta["final_loss"].to_numpy(float))
+    excluded = list(matrix.meta.index[~complete])
+    matrix = matrix.select(complete)
+    if len(matrix.meta) < 2:
+        raise ValueError(
+            "collapse statistics need at least two complete runs (reaching t_hat 1); "
+            f"got {len(matrix.meta)}"
+        )
+    ell = matrix.normalized(offset)
+    with np.errstate(invalid="ignore"):
+        delta = np.nanstd(ell, axis=0, ddof=1) / np.nanmean(ell, axis=0)
+    labels = C.size_labels(matrix.meta).to_numpy()
+    sizes = [s for s in C.ordered_sizes(matrix.meta)]
+    sigma = {}
+    for size in sizes:
+        rows = matrix.loss[labels == size] - offset
+        if len(rows) >= 2:
+            with np.errstate(invalid="ignore"):
+                sigma[size] = np.nanstd(rows, axis=0, ddof=1) / np.nanmean(rows, axis=0)
+    grid = matrix.grid
+    late = _in(grid, late_window, include_end=False)
+    if sigma:
+        sigma_mean = np.nanmean(np.vstack(list(sigma.values())), axis=0)
+        below = delta[late] < sigma_mean[late]
+        supercollapse = bool(below.mean() >= supercollapse_fraction)
+        delta_over_sigma = float(np.nanmean(delta[late] / sigma_mean[late]))
+    else:
+        sigma_mean = np.full_like(grid, np.nan)
+        supercollapse, delta_over_sigma = None, None
+    score = float(np.nanmean(delta[_in(grid, SCORE_WINDOW, include_end=False)]))
+    return FamilyStats(
+        t_hat=grid,
+        delta=delta,
+        sigma=sigma,
+        sigma_mean=sigma_mean,
+        supercollapse=supercollapse,
+        score=score,
+        delta_over_sigma=delta_over_sigma,
+        late_window=late_window,
+        sizes=sizes,
+        runs=list(matrix.meta.index),
+        excluded=excluded,
+    )
+
+
+def _reference_on(grid: np.ndarray, reference: ReferenceCurve) -> np.ndarray:
+    if len(grid) == len(reference.t_hat) and np.allclose(grid, reference.t_hat):
+        return reference.ell
+    return reference.at(grid)
+
+
+def gate_matrix(
+    matrix: C.CurveMatrix,
+    reference: ReferenceCurve,
+    policy: GatePolicy,
+    offset: float = 0.0,
+    plot_paths: dict[str, str] | None = None,
+) -> tuple[list[GateVerdict], np.ndarray]:
+    """Every run's gate at once: (verdicts, early-aligned residual matrix)."""
+    ref_ell = _reference_on(matrix.grid, reference)
+    residual, aligned = aligned_residuals(matrix, ref_ell, policy.align_window, offset)
+    plot_paths = plot_paths or {}
+    verdicts = [
+        evaluate_gate(
+            run,
+            matrix.grid,
+            residual[i],
+            reference,
+            policy,
+            aligned_final_loss=aligned[i],
+            final_loss=matrix.meta["final_loss"].iloc[i],
+            t_hat_max=matrix.meta["t_hat_max"].iloc[i],
+            plot=plot_paths.get(run, ""),
+        )
+        for i, run in enumerate(matrix.meta.index)
+    ]
+    return verdicts, residual
+
+
+# ---------------------------------------------------------------- loading helpers
+
+
+def load_matrix(
+    sources: str | Path | Sequence[str | Path] | pd.DataFrame,
+    runs_csv: str | Path | pd.DataFrame | None = None,
+    window_steps: int | None = None,
+    window_seqs: int | None = None,
+    grid: np.ndarray | None = None,
+) -> C.CurveMatrix:
+    """Read, smooth and resample curves (see collapse.curves for the input formats)."""
+    if isinstance(sources, pd.DataFrame):
+        meta = C.read_table(runs_csv) if isinstance(runs_csv, (str, Path)) else runs_csv
+        curves = C.curves_from_frame(sources, meta)
+    else:
+        curves = C.read_curves(sources, runs_csv)
+    return C.resample(C.smooth(curves, window_steps, window_seqs), grid)
+
+
+def default_reference_sizes(sizes: list[str]) -> list[str]:
+    """Without a choice: the two smallest sizes, leaving at least one size to test."""
+    return sizes[: max(1, min(2, len(sizes) - 1))]
+
+
+def _check_sizes(requested: Sequence[str], available: list[str]) -> list[str]:
+    requested = [str(s) for s in requested]
+    unknown = [s for s in requested if s not in available]
+    if unknown:
+        raise ValueError(
+            f"reference size(s) {unknown} not among the sizes in the curves {available}; "
+            "give sizes exactly as they appear in the size column"
+        )
+    return requested
+
+
+def _jsonable(obj):
+    """NaN/inf become null: JSON has no NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return _jsonable(obj.item())
+    if isinstance(obj, np.ndarray):
+        return _jsonable(obj.tolist())
+    return obj
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(payload), indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def fit_reference_surrogate(matrix: C.CurveMatrix, offset: float = 0.0) -> SurrogateFit | None:
+    """Eq. 4 fitted on the complete runs given, if they carry ``tau`` and ``tpp`` metadata."""
+    meta = matrix.meta
+    if not {"tau", "tpp"} <= set(meta.columns) or meta[["tau", "tpp"]].isna().any().any():
+        return None
+    warmup = WARMUP_FRACTION
+    if {"warmup_steps", "steps"} <= set(meta.columns):
+        warmup = float((meta["warmup_steps"] / meta["steps"]).median())
+    return fit_surrogate(
+        matrix.grid,
+        matrix.normalized(offset),
+        meta["tau"].to_numpy(float),
+        meta["tpp"].to_numpy(float),
+        warmup_fraction=warmup,
+    )
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_collapse(
+    path: str | Path,
+    matrix: C.CurveMatrix,
+    stats: FamilyStats,
+    reference: ReferenceCurve | None = None,
+    offset: float = 0.0,
+) -> Path:
+    """Normalized curves coloured by size over the reference band; Delta and sigma below."""
+    plt = _pyplot()
+    complete = np.isfinite(matrix.meta["final_loss"].to_numpy(float))
+    matrix = matrix.select(complete)
+    ell = matrix.normalized(offset)
+    labels = C.size_labels(matrix.meta).to_numpy()
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 8), sharex=True, gridspec_kw=dict(height_ratios=[3, 2])
+    )
+    if reference is not None:
+        top.fill_between(
+            reference.t_hat,
+            reference.lower,
+            reference.upper,
+            color="0.85",
+            label=f"reference band ({', '.join(reference.sizes)})",
+        )
+        top.plot(reference.t_hat, reference.ell, color="k", lw=1.5, label="reference ℓ")
+    colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(len(stats.sizes), 1)))
+    for colour, size in zip(colours, stats.sizes, strict=True):
+        rows = ell[labels == size]
+        for j, row in enumerate(rows):
+            top.plot(
+                matrix.grid,
+                row,
+                color=colour,
+                lw=0.9,
+                alpha=0.8,
+                label=f"size {size} ({len(rows)} runs)" if j == 0 else None,
+            )
+    window = ell[:, _in(matrix.grid, SCORE_WINDOW)]
+    if np.isfinite(window).any():
+        top.set_ylim(0.98, 1.02 * np.nanmax(window))
+    top.set_ylabel("normalized loss ℓ = (L − L0) / (L(T) − L0)")
+    top.legend(fontsize=8, ncol=2)
+    top.grid(alpha=0.3)
+    verdict = {True: "supercollapse", False: "no supercollapse", None: "no seed noise floor"}
+    top.set_title(
+        f"collapse score {stats.score:.4f} (mean Δ over t̂ ≥ 0.2); {verdict[stats.supercollapse]}",
+        fontsize=10,
+    )
+    bottom.plot(
+        stats.t_hat,
+        100 * stats.delta,
+        color="k",
+        lw=1.5,
+        label="Δ: spread of ℓ over sizes and seeds",
+    )
+    for colour, size in zip(colours, stats.sizes, strict=True):
+        if size in stats.sigma:
+            bottom.plot(
+                stats.t_hat,
+                100 * stats.sigma[size],
+                color=colour,
+                ls="--",
+                lw=1,
+                label=f"σ seed noise, size {size}",
+            )
+    bottom.axvspan(*stats.late_window, color="C1", alpha=0.06, label="late window")
+    bottom.set_yscale("log")
+    bottom.set_xlabel("fraction of training t̂ = step / total steps")
+    bottom.set_ylabel("relative spread (%)")
+    bottom.legend(fontsize=8, ncol=2)
+    bottom.grid(alpha=0.3, which="both")
+    bottom.set_xlim(0, 1)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_residuals(
+    path: str | Path, grid: np.ndarray, residual: np.ndarray, verdicts: list[GateVerdict]
+) -> Path:
+    """Every run's early-aligned residual against the threshold; failed runs in red."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    failed = [not v.passed for v in verdicts]
+    for row, bad in zip(residual, failed, strict=True):
+        ax.plot(
+            grid,
+            row,
+            color="C3" if bad else "0.55",
+            lw=1.0 if bad else 0.6,
+            alpha=0.9 if bad else 0.5,
+            zorder=3 if bad else 2,
+        )
+    ax.plot([], [], color="0.55", label=f"passed ({len(failed) - sum(failed)})")
+    ax.plot([], [], color="C3", label=f"failed ({sum(failed)})")
+    if verdicts:
+        thr = verdicts[0].threshold
+        ax.axhline(thr, color="C1", ls="--", lw=1, label=f"threshold ±{thr:.4f}")
+        ax.axhline(-thr, color="C1", ls="--", lw=1)
+        ax.axvspan(*verdicts[0].window, color="C1", alpha=0.05, label="gate window")
+        finite = residual[:, _in(grid, verdicts[0].window)]
+        finite = finite[np.isfinite(finite)]
+        if len(finite):
+            span = max(np.abs(finite).max(), thr)
+            ax.set_ylim(-1.2 * span, 1.2 * span)
+    ax.set_xlabel("fraction of training t̂ = step / total steps")
+    ax.set_ylabel("residual r = ℓ_run − ℓ_ref (early-aligned)")
+    ax.set_xlim(0, 1)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_reference(
+    path: str | Path,
+    reference: ReferenceCurve,
+    fit: SurrogateFit | None,
+    controls: list[tuple[float, float]],
+) -> Path:
+    """The reference curve and band, with the Eq. 4 surrogate at the reference controls."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.fill_between(
+        reference.t_hat, reference.lower, reference.upper, color="0.85", label="band (mean ± 2 std)"
+    )
+    ax.plot(
+        reference.t_hat,
+        reference.ell,
+        color="k",
+        lw=1.5,
+        label=f"reference ({', '.join(reference.sizes)})",
+    )
+    if fit is not None:
+        for tau, tpp in controls:
+            ax.plot(
+                reference.t_hat,
+                fit.params.ell(reference.t_hat, tau, tpp),
+                ls="--",
+                lw=1,
+                label=f"Eq. 4 surrogate τ={tau:g}, TPP={tpp:g} (MAE {fit.mae:.4f})",
+            )
+    window = reference.upper[_in(reference.t_hat, SCORE_WINDOW)]
+    ax.set_ylim(0.98, 1.02 * np.nanmax(window))
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("fraction of training t̂ = step / total steps")
+    ax.set_ylabel("normalized loss ℓ = L / L(T)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- rule entry points
+
+
+def _reference_part(matrix: C.CurveMatrix, reference_sizes: Sequence[str]) -> C.CurveMatrix:
+    labels = C.size_labels(matrix.meta)
+    sizes = _check_sizes(reference_sizes, C.ordered_sizes(matrix.meta))
+    part = matrix.select(labels.isin(sizes).to_numpy())
+    complete = np.isfinite(part.meta["final_loss"].to_numpy(float))
+    return part.select(complete)
+
+
+def _build_reference(
+    matrix: C.CurveMatrix,
+    reference_sizes: Sequence[str],
+    out_dir: Path,
+    offset: float,
+    align_window: tuple[float, float],
+    smoothing: dict,
+) -> tuple[ReferenceCurve, SurrogateFit | None, dict]:
+    part = _reference_part(matrix, reference_sizes)
+    reference = reference_curve(part, offset, align_window)
+    reference = ReferenceCurve(**{**reference.__dict__, "sizes": [str(s) for s in reference_sizes]})
+    fit = fit_reference_surrogate(part, offset)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reference.write_csv(out_dir / "reference.csv")
+    controls = []
+    if fit is not None:
+        fit.write_json(out_dir / "surrogate.json")
+        controls = sorted({(float(a), float(b)) for a, b in part.meta[["tau", "tpp"]].to_numpy()})
+    plot_reference(out_dir / "reference.png", reference, fit, controls[:4])
+    summary = {
+        "reference_sizes": list(reference.sizes),
+        "runs": list(part.meta.index),
+        "offset": offset,
+        "align_window": list(align_window),
+        "smoothing": smoothing,
+        "seed_std_max": float(np.nanmax(reference.seed_std))
+        if np.isfinite(reference.seed_std).any()
+        else None,
+        "surrogate": fit.to_dict() if fit is not None else None,
+        "surrogate_note": None if fit is not None else "no tau/tpp metadata: surrogate not fitted",
+        "files": {"reference_csv": "reference.csv", "plot": "reference.png"},
+    }
+    write_json(out_dir / "reference.json", summary)
+    return reference, fit, summary
+
+
+def build_reference(
+    curve_paths: Sequence[str | Path],
+    runs_csv: str | Path | None,
+    reference_sizes: Sequence[str],
+    out_dir: str | Path,
+    offset: float = 0.0,
+    window_steps: int | None = None,
+    window_seqs: int | None = None,
+    align_window: tuple[float, float] = ALIGN_WINDOW,
+) -> ReferenceCurve:
+    """Rule ``reference``: reference.csv (+ reference.json, surrogate.json, reference.png).
+
+    ``curve_paths`` may hold more runs than the reference sizes; only complete runs of
+    ``reference_sizes`` (labels of the ``size`` column) enter.
+    """
+    matrix = load_matrix(curve_paths, runs_csv, window_steps, window_seqs)
+    smoothing = {"window_steps": window_steps, "window_seqs": window_seqs}
+    reference, _, _ = _build_reference(
+        matrix, reference_sizes, Path(out_dir), offset, align_window, smoothing
+    )
+    return reference
+
+
+def _reference_context(reference: str | Path) -> tuple[ReferenceCurve, dict]:
+    path = Path(reference)
+    csv = path / "reference.csv" if path.is_dir() else path
+    if not csv.is_file():
+        raise FileNotFoundError(f"{csv}: no reference.csv; build the reference first")
+    summary_path = csv.parent / "reference.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    curve = ReferenceCurve.read_csv(csv)
+    curve = ReferenceCurve(**{**curve.__dict__, "sizes": summary.get("reference_sizes", [])})
+    return curve, summary
+
+
+def gate_run(
+    curve_path: str | Path,
+    reference: str | Path,
+    runs_csv: str | Path | None,
+    policy: GatePolicy,
+    out_json: str | Path,
+    out_png: str | Path | None,
+    run: str | None = None,
+    offset: float | None = None,
+    window_steps: int | None = None,
+) -> GateVerdict:
+    """Rule ``gate``: one run's verdict JSON and evidence plot; never raises on a failed gate.
+
+    ``reference``: reference.csv or its directory (with reference.json, whose offset and
+    smoothing the run is analysed with unless given). Use ``gates.require_passed`` downstream.
+    """
+    ref, summary = _reference_context(reference)
+    offset = summary.get("offset", 0.0) if offset is None else offset
+    smoothing = summary.get("smoothing", {}) or {}
+    window_steps = window_steps or smoothing.get("window_steps")
+    matrix = load_matrix(
+        curve_path, runs_csv, window_steps, smoothing.get("window_seqs"), grid=ref.t_hat
+    )
+    if run is None:
+        if len(matrix.meta) != 1:
+            raise ValueError(
+                f"{curve_path} holds {len(matrix.meta)} runs; name the one to gate (run=...)"
+            )
+        run = matrix.meta.index[0]
+    matrix = matrix.select(matrix.meta.index == run)
+    plot = str(out_png) if out_png else ""
+    verdicts, residual = gate_matrix(matrix, ref, policy, offset, {run: plot})
+    verdict = verdicts[0]
+    verdict.write_json(out_json)
+    if out_png:
+        plot_gate(out_png, verdict, matrix.grid, residual[0] + ref.ell, ref)
+    return verdict
+
+
+def family_statistics(
+    curve_paths: Sequence[str | Path],
+    runs_csv: str | Path | None,
+    out_dir: str | Path,
+    offset: float = 0.0,
+    reference: str | Path | None = None,
+    window_steps: int | None = None,
+    window_seqs: int | None = None,
+    late_window: tuple[float, float] = LATE_WINDOW,
+) -> FamilyStats:
+    """Rule ``collapse_stats``: collapse.json, delta_sigma.csv and collapse.png in ``out_dir``."""
+    out_dir = Path(out_dir)
+    matrix = load_matrix(curve_paths, runs_csv, window_steps, window_seqs)
+    stats = collapse_statistics(matrix, offset, late_window)
+    ref = _reference_context(reference)[0] if reference is not None else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats.table().to_csv(out_dir / "delta_sigma.csv", index=False, float_format="%.8g")
+    plot_collapse(out_dir / "collapse.png", matrix, stats, ref, offset)
+    write_json(
+        out_dir / "collapse.json", {**stats.to_dict(), "offset": offset, "plot": "collapse.png"}
+    )
+    return stats
+
+
+def analyze(
+    sources: str | Path | Sequence[str | Path] | pd.DataFrame,
+    out_dir: str | Path,
+    reference_sizes: Sequence[str] | None = None,
+    offset: float = 0.0,
+    runs_csv: str | Path | pd.DataFrame | None = None,
+    policy: GatePolicy | None = None,
+    window_steps: int | None = None,
+    window_seqs: int | None = None,
+    late_window: tuple[float, float] = LATE_WINDOW,
+    plots: str = "failed",
+) -> dict:
+    """``collapse analyze``: statistics, reference, surrogate and every run's gate in ``out_dir``.
+
+    ``plots``: per-run gate plots for "failed" runs (default), "all" runs or "none"; the
+    family plots (collapse.png, residuals.png, reference.png) are always written.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = policy or GatePolicy()
+    matrix = load_matrix(sources, runs_csv, window_steps, window_seqs)
+    sizes = C.ordered_sizes(matrix.meta)
+    reference_sizes = list(reference_sizes or default_reference_sizes(sizes))
+    smoothing = {"window_steps": window_steps, "window_seqs": window_seqs}
+    reference, fit, ref_summary = _build_reference(
+        matrix, reference_sizes, out, offset, policy.align_window, smoothing
+    )
+    stats = collapse_statistics(matrix, offset, late_window)
+    stats.table().to_csv(out / "delta_sigma.csv", index=False, float_format="%.8g")
+
+    verdicts, residual = gate_matrix(matrix, reference, policy, offset)
+    gate_dir = out / "gates"
+    plotted = {}
+    for i, verdict in enumerate(verdicts):
+        if plots == "all" or (plots == "failed" and not verdict.passed):
+            png = gate_dir / f"{verdict.run}.png"
+            verdict = verdict.model_copy(
+                update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
+            )
+            plot_gate(png, verdict, matrix.grid, residual[i] + reference.ell, reference)
+        else:
+            verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
+        plotted[verdict.run] = verdict
+        verdict.write_json(gate_dir / f"{verdict.run}.json")
+    verdicts = list(plotted.values())
+    plot_residuals(out / "residuals.png", matrix.grid, residual, verdicts)
+    plot_collapse(out / "collapse.png", matrix, stats, reference, offset)
+
+    meta = matrix.meta.assign(
+        size_label=C.size_labels(matrix.meta),
+        in_reference=C.size_labels(matrix.meta).isin(reference_sizes),
+        aligned_final_loss=[v.aligned_final_loss for v in verdicts],
+        gate=[v.status for v in verdicts],
+        max_abs_residual=[v.max_abs_residual for v in verdicts],
+        first_crossing_t_hat=[v.first_crossing_t_hat for v in verdicts],
+    )
+    meta.to_csv(out / "runs.csv", float_format="%.8g")
+    summary = {
+        **stats.to_dict(),
+        "offset": offset,
+        "reference_sizes": reference_sizes,
+        "reference": ref_summary,
+        "policy": policy.model_dump(mode="json"),
+        "threshold": verdicts[0].threshold if verdicts else None,
+        "gates": {v.run: v.model_dump(mode="json") for v in verdicts},
+        "failed_gates": [v.run for v in verdicts if not v.passed],
+        "files": {
+            "reference_csv": "reference.csv",
+            "delta_sigma_csv": "delta_sigma.csv",
+            "runs_csv": "runs.csv",
+            "plots": ["collapse.png", "residuals.png", "reference.png"],
+        },
+    }
+    write_json(out / "collapse.json", summary)
+    return summary
+
+
+# ---------------------------------------------------------------- command line
+
+INPUT_HELP = """\
+input: CURVES are CSV/Parquet files, run directories or results/<family> directories.
+  A curve table has one row per logged step with columns
+    run   (str)   run name
+    step  (int)   optimizer step
+    loss  (float) training loss of the step (nats/token)
+  optional per-step columns: tokens, t_hat (step / total steps of the full-length schedule);
+  optional per-run columns (constant within a run, or given in --runs): size (or params),
+  seed, tpp, tau, schedule, steps (total steps: marks runs that stopped early), batch_seqs,
+  warmup_steps. Absent ones are not used: without size every run is its own size; without
+  t_hat or steps a run's largest step is taken as its full length.
+  This project's runs: results/<family>/runs/<run>/curve.parquet, metadata from
+  results/<family>/plan/runs.csv (found automatically when the family directory is given).
+
+outputs in DIR: collapse.json (t_hat, delta, sigma per size, supercollapse, score, gate
+  verdicts), reference.csv (t_hat, ell, lower, upper, seed_std, n_curves), reference.json,
+  surrogate.json (Eq. 4 fit, when tau and tpp are known), delta_sigma.csv, runs.csv,
+  gates/<run>.json, and the plots collapse.png, residuals.png, reference.png, gates/<run>.png.
+"""
+
+
+def _floats(text: str) -> tuple[float, float]:
+    parts = [float(x) for x in text.split(",")]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers, START,END")
+    return parts[0], parts[1]
+
+
+def add_cli(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "analyze",
+        help="collapse statistics, reference curve and gates for a set of loss curves",
+        description="Normalize loss curves (ell = (L - L0)/(L(T) - L0)), measure how well a "
+        "family collapses (Delta vs the seed noise sigma), build the reference curve from the "
+        "reference sizes and gate every run against it (arXiv 2509.25087).",
+        epilog=INPUT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("curves", nargs="+", metavar="CURVES", help="curve files or directories")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--reference-sizes",
+        metavar="S1,S2,...",
+        default=None,
+        help="sizes (as in the size column) that build the reference; default: the two smallest",
+    )
+    parser.add_argument(
+        "--offset",
+        type=float,
+        default=0.0,
+        metavar="L0",
+        help="irreducible loss L0 subtracted before normalizing (Qiu et al.); "
+        "default 0, the collapse paper's choice",
+    )
+    parser.add_argument(
+        "--runs",
+        default=None,
+        metavar="TABLE",
+        help="per-run metadata table (CSV/Parquet with a run column)",
+    )
+    smoothing = parser.add_mutually_exclusive_group()
+    smoothing.add_argument(
+        "--window-steps",
+        type=int,
+        default=None,
+        help="smoothing window in steps (default: 100, at most 2%% of a run)",
+    )
+    smoothing.add_argument(
+        "--window-seqs",
+        type=int,
+        default=None,
+        help="smoothing window in sequences (needs batch_seqs per run)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="fixed gate threshold on |r| (ell units); default: calibrated",
+    )
+    parser.add_argument(
+        "--k-sigma",
+        type=float,
+        default=GatePolicy().k_sigma,
+        help="calibrated threshold = K x reference seed std (default %(default)s)",
+    )
+    parser.add_argument(
+        "--floor",
+        type=float,
+        default=GatePolicy().floor,
+        help="lowest calibrated threshold (default %(default)s)",
+    )
+    parser.add_argument(
+        "--gate-window",
+        type=_floats,
+        default=GatePolicy().window,
+        metavar="START,END",
+        help="t_hat span the gate checks (default 0.2,1)",
+    )
+    parser.add_argument(
+        "--align-window",
+        type=_floats,
+        default=ALIGN_WINDOW,
+        metavar="START,END",
+        help="early-align span (default 0.25,0.5)",
+    )
+    parser.add_argument(
+        "--late-window",
+        type=_floats,
+        default=LATE_WINDOW,
+        metavar="START,END",
+        help="supercollapse span (default 0.5,1)",
+    )
+    parser.add_argument(
+        "--plots",
+        choices=("failed", "all", "none"),
+        default="failed",
+        help="per-run gate plots (default: failed runs only)",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="exit with status 3 when a gate fails"
+    )
+    parser.set_defaults(func=_run_cli)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    policy = GatePolicy(
+        k_sigma=args.k_sigma,
+        floor=args.floor,
+        threshold=args.threshold,
+        window=args.gate_window,
+        align_window=args.align_window,
+    )
+    sizes = [s.strip() for s in args.reference_sizes.split(",")] if args.reference_sizes else None
+    summary = analyze(
+        args.curves,
+        args.out,
+        reference_sizes=sizes,
+        offset=args.offset,
+        runs_csv=args.runs,
+        policy=policy,
+        window_steps=args.window_steps,
+        window_seqs=args.window_seqs,
+        late_window=args.late_window,
+        plots=args.plots,
+    )
+    verdict = {True: "yes", False: "no", None: "undetermined (no seeds)"}[summary["supercollapse"]]
+    print(
+        f"{len(summary['runs'])} complete runs, sizes {summary['sizes']}, reference "
+        f"{summary['reference_sizes']}"
+    )
+    print(
+        f"collapse score (mean Delta, t_hat >= 0.2): {summary['score']:.4f}; "
+        f"supercollapse: {verdict}"
+    )
+    failed = [summary["gates"][run] for run in summary["failed_gates"]]
+    print(
+        f"gates: {len(summary['gates']) - len(failed)} passed, {len(failed)} failed "
+        f"(threshold {summary['threshold']:.4f})"
+    )
+    for v in failed:
+        print(f"  FAIL {v['message']}")
+    print(f"wrote {Path(args.out) / 'collapse.json'}")
+    return 3 if args.strict and any(blocks(GateVerdict(**v)) for v in failed) else 0
