@@ -1,0 +1,124 @@
+"""A real single-node Slurm cluster for the tests: start, query, stop.
+
+``start_cluster()`` runs start_cluster.sh (which installs Debian's packages when missing) and
+skips the calling test, with the reason, only where that cannot work: not root, or the
+packages cannot be installed. A cluster that was already up before the tests is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SLURM_TEST_DIR = Path(__file__).resolve().parent
+REPO = SLURM_TEST_DIR.parents[1]
+PROFILE = REPO / "slurm"
+START = SLURM_TEST_DIR / "start_cluster.sh"
+STOP = SLURM_TEST_DIR / "stop_cluster.sh"
+BINARIES = ("slurmctld", "slurmd", "sbatch", "munged")
+FAKE_GPUS = 4
+
+
+@dataclass
+class Cluster:
+    gpus: int
+    started_here: bool  # False: it was up before the tests, so they leave it up
+    start_s: float  # wall time of start_cluster.sh
+
+    def stop(self) -> None:
+        if self.started_here:
+            subprocess.run([str(STOP)], check=True, capture_output=True, text=True)
+
+
+def cluster_is_up() -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True)
+    return "is UP" in ping.stdout
+
+
+def start_cluster(gpus: int = FAKE_GPUS) -> Cluster:
+    if os.geteuid() != 0:
+        pytest.skip("a local Slurm needs root (packages, munged, slurmd); run the tests as root")
+    if shutil.which("apt-get") is None and not all(shutil.which(b) for b in BINARIES):
+        pytest.skip("Slurm is not installed and there is no apt-get to install Debian's packages")
+    was_up = cluster_is_up()
+    env = dict(os.environ, SLURM_FAKE_GPUS=str(gpus))
+    env.pop("SLURM_CONF", None)
+    began = time.monotonic()
+    started = subprocess.run([str(START)], env=env, capture_output=True, text=True)
+    start_s = time.monotonic() - began
+    if started.returncode != 0:
+        if not all(shutil.which(b) for b in BINARIES):
+            pytest.skip(
+                "could not install Debian's slurmctld slurmd slurm-client munge: "
+                + started.stderr[-500:]
+            )
+        raise RuntimeError(f"start_cluster.sh failed:\n{started.stderr}")
+    return Cluster(gpus=gpus, started_here=not was_up, start_s=start_s)
+
+
+def squeue_state(job_id: str) -> str:
+    """The job's state (RUNNING, COMPLETED, ...), or "" once squeue forgot it."""
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "--states=all", "-o", "%T"], capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def jobs_of_rule(rule: str) -> list[str]:
+    """Ids of the jobs the Snakemake plugin submitted for ``rule`` (it comments them so)."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "-o", "%i %k"], capture_output=True, text=True
+    )
+    ids = []
+    for line in out.stdout.splitlines():
+        job_id, _, comment = line.partition(" ")
+        if comment == f"rule_{rule}" or comment.startswith(f"rule_{rule}_wildcards_"):
+            ids.append(job_id)
+    return sorted(ids, key=int)
+
+
+def snakemake_env(**extra: str) -> dict[str, str]:
+    """The environment for a snakemake run: this venv first on PATH (python, torchrun)."""
+    env = dict(os.environ, **extra)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("SLURM_CONF", None)
+    return env
+
+
+def snakemake_slurm_args(workdir: Path, *extra: str) -> list[str]:
+    """``snakemake --profile <repo>/slurm`` with short status polling for a test cluster."""
+    return [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--profile",
+        str(PROFILE),
+        "--directory",
+        str(workdir),
+        # the profile's 40 s wait before the first status check suits a busy real cluster;
+        # here it would only slow each job down
+        "--slurm-init-seconds-before-status-checks",
+        "2",
+        "--latency-wait",
+        "5",
+        *extra,
+    ]

@@ -1,0 +1,251 @@
+"""The training job's shell command and Slurm resources (collapse.launch), without a cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from collapse.launch import multinode_command, single_node_command, slurm_resources, train_command
+from collapse.runspec import RunSpec
+
+SLURM_TEST_DIR = Path(__file__).parent / "slurm"
+
+
+def make_spec(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    gpus: int = 0,
+    nodes: int = 1,
+    procs_per_node: int = 1,
+    gpus_per_node: int = 0,
+    threads: int = 2,
+    runtime_min: int = 60,
+    partition: str = "",
+    account: str = "",
+) -> RunSpec:
+    """A complete RunSpec whose parallel and resources blocks are the ones given."""
+    spec = {
+        "run": "d128",
+        "family": "tiny",
+        "size": "d128",
+        "tpp_band": 20.0,
+        "tpp": 20.0,
+        "params": 1_000_000,
+        "params_non_embedding": 800_000,
+        "flops_6nd": 1.2e14,
+        "flops": 1.3e14,
+        "dataset_prefix": "results/tiny/data/train_text_document",
+        "valid_prefix": "results/tiny/data/valid_text_document",
+        "tokenizer": "results/tiny/data/tokenizer.json",
+        "run_dir": "results/tiny/runs/d128",
+        "checkpoint_dir": "results/tiny/checkpoints/d128",
+        "model": {
+            "d_model": 128,
+            "n_layers": 2,
+            "n_heads": 8,
+            "head_dim": 16,
+            "ffn_hidden": 512,
+            "activation": "gelu",
+            "positions": "rope",
+            "vocab_size": 1024,
+            "seq_len": 128,
+            "tied_embeddings": False,
+        },
+        "mup": {
+            "kind": "mup",
+            "d_base": 32,
+            "depth_base": 2,
+            "width_mult": 4.0,
+            "depth_mult": 1.0,
+            "alpha_input": 1.0,
+            "logit_multiplier": 0.25,
+            "residual_multiplier": 1.0,
+            "attention_scale": 1 / 16,
+            "init_std_embedding": 0.02,
+            "init_std_hidden": 0.01,
+            "init_std_output_proj": 0.005,
+            "init_std_unembedding": 0.02,
+            "lr_embedding": 0.02,
+            "lr_hidden": 0.005,
+            "lr_output_proj": 0.005,
+            "lr_unembedding": 0.02,
+            "lr_norm_bias": 0.02,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.95,
+            "adam_eps": 1e-8,
+        },
+        "optim": {
+            "seed": 1,
+            "tokens": 20_000_000,
+            "batch_seqs": 16,
+            "steps": 9765,
+            "warmup_steps": 976,
+            "lr_peak": 0.005,
+            "weight_decay": 0.1,
+            "tau": 0.2,
+        },
+        "parallel": {
+            "tp": tp,
+            "pp": pp,
+            "dp": dp,
+            "micro_batch_seqs": 8,
+            "grad_accum": 1,
+            "gpus": gpus,
+            "nodes": nodes,
+            "procs_per_node": procs_per_node,
+        },
+        "resources": {
+            "threads": threads,
+            "mem_mb": 16000,
+            "gpus_per_node": gpus_per_node,
+            "nodes": nodes,
+            "runtime_min": runtime_min,
+            "slurm_partition": partition,
+            "slurm_account": account,
+        },
+        "logging": {
+            "log_every_steps": 10,
+            "eval_every_steps": 100,
+            "eval_batches": 4,
+            "checkpoint_every_steps": 500,
+        },
+    }
+    return RunSpec.model_validate(spec)
+
+
+SPEC_PATH = "results/tiny/plan/runs/d128.json"
+
+
+def test_one_process_runs_python_directly():
+    spec = make_spec()
+    for executor in ("local", "slurm"):
+        command = train_command(spec, SPEC_PATH, executor=executor)
+        assert command == f"python -m collapse.train --spec {SPEC_PATH}"
+
+
+def test_cpu_ranks_on_one_node_run_under_torchrun_standalone():
+    spec = make_spec(dp=2, procs_per_node=2)
+    command = train_command(spec, "plan dir/d128.json", executor="local")
+    assert shlex.split(command) == [
+        "torchrun",
+        "--standalone",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "-m",
+        "collapse.train",
+        "--spec",
+        "plan dir/d128.json",
+    ]
+
+
+def test_single_node_gpus_one_torchrun_and_one_slurm_task():
+    spec = make_spec(tp=2, dp=2, gpus=4, procs_per_node=4, gpus_per_node=4, threads=16)
+    command = train_command(spec, SPEC_PATH, executor="slurm")
+    assert command.split()[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4"]
+    assert "srun" not in command  # the jobstep plugin already runs the command in one srun task
+    resources = slurm_resources(spec)
+    assert resources["gpu"] == 4 and resources["gres"] is None
+    assert resources["tasks_per_gpu"] == 0  # else the plugin may ask for one task per GPU
+    assert resources["nodes"] == 1 and resources["tasks"] == 1
+    assert resources["mpi"] is None  # its mere presence would drop the jobstep's srun
+    assert resources["cpus_per_task"] == 16
+    assert resources["mem_mb"] == 16000 and resources["runtime"] == 60
+
+
+def test_multinode_srun_starts_one_torchrun_per_node_with_c10d_rendezvous():
+    spec = make_spec(tp=8, dp=4, gpus=32, nodes=4, procs_per_node=8, gpus_per_node=8, threads=64)
+    command = train_command(spec, SPEC_PATH, executor="slurm")
+    words = shlex.split(command)
+    assert words[:6] == [
+        "srun",
+        "--nodes=4",
+        "--ntasks=4",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=64",
+        "--kill-on-bad-exit=1",
+    ]
+    assert words[6:8] == ["bash", "-c"] and len(words) == 9
+    per_node = words[8]
+    assert per_node.count("torchrun") == 1
+    assert "--nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d" in per_node
+    assert '--rdzv_endpoint="$head:$port"' in per_node
+    assert f"-m collapse.train --spec {SPEC_PATH}" in per_node
+    resources = slurm_resources(spec)
+    assert resources["mpi"] == "srun" and resources["tasks"] == 4 and resources["nodes"] == 4
+    assert resources["gres"] == "gpu:8" and resources["gpu"] is None  # per node, not per job
+    assert resources["tasks_per_gpu"] == 0
+
+
+def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
+    """Run the per-node script under bash with scontrol and torchrun replaced by stubs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho gpu017\necho gpu018\n")
+    (bin_dir / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    command = multinode_command(
+        "collapse.train", ["--spec", SPEC_PATH], nodes=2, procs_per_node=8, cpus_per_task=4
+    )
+    per_node = shlex.split(command)[-1]
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="12345")
+    env["SLURM_JOB_NODELIST"] = "gpu[017-018]"
+    out = subprocess.run(["bash", "-c", per_node], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.split()
+    assert "--rdzv_endpoint=gpu017:22345" in args
+    assert "--rdzv_id=12345" in args
+    assert args[-4:] == ["-m", "collapse.train", "--spec", SPEC_PATH]
+
+
+def test_multinode_needs_slurm():
+    spec = make_spec(dp=2, nodes=2, procs_per_node=1)
+    with pytest.raises(ValueError, match="parallel.nodes=2 needs the Slurm executor"):
+        train_command(spec, SPEC_PATH, executor="local")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"dp": 2, "procs_per_node": 1}, "parallel.procs_per_node"),
+        ({"dp": 2, "procs_per_node": 2, "gpus": 2, "gpus_per_node": 1}, "gpus_per_node"),
+        ({"dp": 2, "procs_per_node": 2, "gpus": 4, "gpus_per_node": 2}, "parallel.gpus=4"),
+        ({"runtime_min": 0}, "resources.runtime_min"),
+    ],
+)
+def test_inconsistent_specs_fail_naming_the_field(overrides, field):
+    spec = make_spec(**overrides)
+    with pytest.raises(ValueError, match=field):
+        slurm_resources(spec)
+
+
+def test_resources_carry_partition_account_and_signal_before_the_time_limit():
+    spec = make_spec(runtime_min=240, partition="gpu", account="proj42")
+    resources = slurm_resources(spec)
+    assert resources["slurm_partition"] == "gpu" and resources["slurm_account"] == "proj42"
+    extra = resources["slurm_extra"].split()
+    assert "--requeue" in extra
+    assert "--signal=TERM@600" in extra  # a tenth of 4 h, capped at 10 min
+    assert slurm_resources(make_spec(runtime_min=20))["slurm_extra"].endswith("TERM@120")
+    assert slurm_resources(make_spec(runtime_min=2))["slurm_extra"].endswith("TERM@60")
+    # empty partition/account: unset, so the plugin takes the cluster's defaults
+    assert slurm_resources(make_spec())["slurm_partition"] is None
+
+
+def test_torchrun_standalone_command_starts_exactly_the_ranks_asked_for(tmp_path):
+    """The single-node command, run for real with two gloo ranks of a probe module."""
+    command = single_node_command("dist_probe", ["--out", str(tmp_path)], procs=2)
+    env = dict(os.environ, PYTHONPATH=str(SLURM_TEST_DIR), OMP_NUM_THREADS="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    run = subprocess.run(command, shell=True, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert [r["rank"] for r in records] == [0, 1]
+    assert all(r["world"] == 2 and r["all_reduce_sum"] == 2.0 for r in records)

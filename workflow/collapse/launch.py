@@ -1,0 +1,176 @@
+"""How a training job is started: its shell command and the Slurm resources it asks for.
+
+The train rule calls ``train_command`` for its shell line and ``slurm_resources`` for its
+``resources:``; both read only the run's RunSpec (``spec.parallel``, ``spec.resources``).
+
+What snakemake-executor-plugin-slurm 2.8 does with a job (read from its source, checked on a
+real Slurm, see tests/test_slurm_cluster.py):
+
+- It submits ``sbatch --nodes=N --gpus=G --cpus-per-task=C --mem=M -t T <slurm_extra>``; with
+  ``gpu`` set it adds ``--ntasks-per-gpu`` only when ``tasks_per_gpu`` (or else ``tasks``) is
+  >= 1, so ``tasks_per_gpu=0`` keeps the default of one task.
+- Inside the allocation the jobstep plugin wraps the job in ``srun -n1 --gpus=G
+  --cpus-per-task=C``: the rule's shell command runs once, on the first node, seeing all G
+  GPUs. A single-node job therefore starts torchrun itself, never srun.
+- With an ``mpi`` resource the jobstep runs the command without that srun, in the batch step
+  on the first node, and leaves starting tasks to the command. Multi-node jobs use this: the
+  command is ``srun`` (one task per node) around ``torchrun`` with a c10d rendezvous on the
+  first node. The jobstep strips every SLURM_* variable but the job id from the command's
+  environment; srun finds the allocation through SLURM_JOB_ID and sets the node list again
+  in each task.
+
+Signals: Slurm sends SIGTERM to every process of the job at its time limit, on preemption and
+on ``scancel``, and SIGKILL KillWait seconds later. Snakemake's own processes in the job treat
+SIGTERM gracefully (they wait for the job's command), so the training process has that grace
+to write its checkpoint. ``--signal=TERM@S`` sends the same SIGTERM S seconds before the time
+limit, so a long checkpoint save fits. SIGUSR1 is not used: it kills the Snakemake process
+that wraps the command (its default action), which ends the job step under the training
+process while it saves. The training job exits non-zero after such a checkpoint; the profile's
+``retries`` (time limit, cancel) or Slurm's ``--requeue`` (preemption) start it again and it
+resumes from ``spec.checkpoint_dir``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Literal
+
+from collapse.runspec import RunSpec
+
+Executor = Literal["local", "slurm"]
+
+TRAIN_MODULE = "collapse.train"
+# first rendezvous port; each job adds its id modulo RDZV_PORT_SPAN, so that two multi-node
+# jobs whose first node is the same do not collide
+RDZV_PORT_BASE = 20000
+RDZV_PORT_SPAN = 10000
+# the lead of the early SIGTERM before the time limit: a tenth of the run time, within these
+# bounds (Slurm delivers --signal with a resolution of about 60 s)
+SIGNAL_LEAD_MIN_S = 60
+SIGNAL_LEAD_MAX_S = 600
+
+
+def train_command(spec: RunSpec, spec_path: str, *, executor: Executor) -> str:
+    """The shell command that trains ``spec`` (read from ``spec_path``) under ``executor``.
+
+    One process: ``python -m collapse.train``; several processes on one node (CPU/gloo ranks or
+    one per GPU): ``torchrun --standalone``; several nodes (Slurm only): srun + torchrun.
+    """
+    check_parallel(spec)
+    p = spec.parallel
+    if executor not in ("local", "slurm"):
+        raise ValueError(f"executor={executor!r}: use 'local' or 'slurm'")
+    if p.nodes > 1 and executor != "slurm":
+        raise ValueError(
+            f"run {spec.run}: parallel.nodes={p.nodes} needs the Slurm executor; run with "
+            "--profile slurm, or plan the family for a single node (a cluster config with "
+            "one node per run)"
+        )
+    args = ["--spec", spec_path]
+    if p.nodes > 1:
+        return multinode_command(
+            TRAIN_MODULE,
+            args,
+            nodes=p.nodes,
+            procs_per_node=p.procs_per_node,
+            cpus_per_task=spec.resources.threads,
+        )
+    return single_node_command(TRAIN_MODULE, args, procs=p.procs_per_node)
+
+
+def single_node_command(module: str, args: list[str], *, procs: int) -> str:
+    """Run ``python -m module args`` as ``procs`` processes on this node."""
+    tail = shlex.join(["-m", module, *args])
+    if procs == 1:
+        return f"python {tail}"
+    # --standalone: a private rendezvous on a free local port, so parallel jobs never collide
+    return f"torchrun --standalone --nnodes=1 --nproc_per_node={procs} {tail}"
+
+
+def multinode_command(
+    module: str, args: list[str], *, nodes: int, procs_per_node: int, cpus_per_task: int
+) -> str:
+    """srun one torchrun per node of the current allocation; they meet on its first node.
+
+    Must run inside the allocation (the batch step, as the jobstep plugin's ``mpi`` mode
+    does); ``$SLURM_JOB_NODELIST`` and ``$SLURM_JOB_ID`` are read in each srun task.
+    """
+    first_node = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+    port = f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))"
+    torchrun = (
+        f"torchrun --nnodes={nodes} --nproc_per_node={procs_per_node} "
+        '--rdzv_backend=c10d --rdzv_id="$SLURM_JOB_ID" --rdzv_endpoint="$head:$port" '
+        + shlex.join(["-m", module, *args])
+    )
+    per_node = f"{first_node}; {port}; exec {torchrun}"
+    srun = (
+        f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 "
+        f"--cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
+    )
+    return f"{srun} bash -c {shlex.quote(per_node)}"
+
+
+def slurm_resources(spec: RunSpec) -> dict[str, int | str | None]:
+    """The Snakemake resources (names of snakemake-executor-plugin-slurm 2.8) of the train job.
+
+    The keys are the same for every run, so a rule can declare each one with a callable; a
+    value of None leaves the resource unset (Snakemake drops it). Memory and CPUs are per node.
+    """
+    check_parallel(spec)
+    p, r = spec.parallel, spec.resources
+    multinode = p.nodes > 1
+    gpus_per_node = r.gpus_per_node if p.gpus > 0 else 0
+    runtime_s = r.runtime_min * 60
+    lead_s = min(SIGNAL_LEAD_MAX_S, max(SIGNAL_LEAD_MIN_S, runtime_s // 10), runtime_s // 2)
+    # --requeue: preemption puts the job back in the queue (it resumes from its checkpoint);
+    # --open-mode=append: the requeued job appends to its Slurm log instead of truncating it
+    extra = f"--requeue --open-mode=append --signal=TERM@{lead_s}"
+    return {
+        "nodes": p.nodes,
+        # single node: the plugin's one srun task runs torchrun over all GPUs; several nodes:
+        # the command's own srun starts one task per node (see multinode_command)
+        "tasks": p.nodes,
+        "tasks_per_gpu": 0,  # keeps the plugin from passing --ntasks-per-gpu
+        "mpi": "srun" if multinode else None,
+        # --gpus=G counts GPUs of the whole job; per node the gres form is exact
+        "gpu": gpus_per_node if not multinode and gpus_per_node else None,
+        "gres": f"gpu:{gpus_per_node}" if multinode and gpus_per_node else None,
+        "cpus_per_task": r.threads,
+        "mem_mb": r.mem_mb,
+        "runtime": r.runtime_min,
+        "slurm_partition": r.slurm_partition or None,
+        "slurm_account": r.slurm_account or None,
+        "slurm_extra": extra,
+    }
+
+
+def check_parallel(spec: RunSpec) -> None:
+    """Fail early, naming the field, where the spec's parallel and resources blocks disagree."""
+    p, r = spec.parallel, spec.resources
+    where = f"run {spec.run}"
+    for name, value in (("parallel.nodes", p.nodes), ("parallel.procs_per_node", p.procs_per_node)):
+        if value < 1:
+            raise ValueError(f"{where}: {name}={value} must be >= 1")
+    world = p.tp * p.pp * p.dp
+    if p.nodes * p.procs_per_node != world:
+        raise ValueError(
+            f"{where}: parallel.nodes x parallel.procs_per_node = {p.nodes} x "
+            f"{p.procs_per_node} but tp x pp x dp = {world}; one process per rank is needed"
+        )
+    if r.nodes != p.nodes:
+        raise ValueError(
+            f"{where}: resources.nodes={r.nodes} but parallel.nodes={p.nodes}; make them equal"
+        )
+    if p.gpus > 0:
+        if p.gpus != p.nodes * p.procs_per_node:
+            raise ValueError(
+                f"{where}: parallel.gpus={p.gpus} but {p.nodes} node(s) x "
+                f"{p.procs_per_node} process(es); one GPU per process is needed"
+            )
+        if r.gpus_per_node != p.procs_per_node:
+            raise ValueError(
+                f"{where}: resources.gpus_per_node={r.gpus_per_node} but "
+                f"parallel.procs_per_node={p.procs_per_node}; request one GPU per process"
+            )
+    if r.runtime_min < 1:
+        raise ValueError(f"{where}: resources.runtime_min={r.runtime_min} must be >= 1")
