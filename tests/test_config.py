@@ -1,0 +1,198 @@
+"""The family spec: Hydra composition, validation, and the messages a bad spec gets."""
+
+import copy
+
+import pytest
+from collapse.config import (
+    ConfigError,
+    compose_config,
+    hydra_overrides,
+    load_config,
+    validate_config,
+)
+from collapse.plan import plan_family
+
+
+@pytest.fixture(scope="module")
+def tiny_raw():
+    return compose_config([])
+
+
+def _error(raw) -> str:
+    with pytest.raises(ConfigError) as info:
+        plan_family(validate_config(raw))
+    return str(info.value)
+
+
+def test_three_families_compose_and_validate():
+    for name, cluster in (("tiny", "local"), ("celerity", "slurm_h100"), ("ladder", "slurm_h100")):
+        cfg = load_config([f"family={name}", f"cluster={cluster}"])
+        assert cfg.family.name == name
+        assert cfg.cluster.name == cluster
+
+
+def test_tiny_is_cpu_sized_and_spans_8x():
+    plan = plan_family(load_config([]))
+    fam = plan.table[plan.table.role == "family"]
+    assert fam["size"].nunique() >= 4
+    assert fam.params.max() / fam.params.min() >= 8
+    assert (fam.gpus == 0).all()
+
+
+def test_celerity_matches_the_paper_table():
+    cfg = load_config(["family=celerity", "cluster=slurm_h100"])
+    fam = cfg.family
+    assert [(s.d_model, s.n_heads, s.n_layers, s.batch_seqs) for s in fam.sizes] == [
+        (640, 10, 13, 176),
+        (896, 14, 17, 240),
+        (1152, 9, 23, 336),
+        (1536, 12, 30, 464),
+        (2048, 16, 40, 672),
+    ]
+    assert fam.tpp == [20, 80, 234] and fam.tau == [0.175, 0.087, 0.05]
+    assert fam.arch.vocab_size == 128256 and fam.arch.seq_len == 8192
+    assert fam.arch.activation == "squared_relu" and fam.arch.ffn_mult == 8
+    assert fam.arch.positions == "alibi" and fam.parameterization.kind == "completep"
+    # head size 64, 64, 128, 128, 128
+    assert [s.d_model // s.n_heads for s in fam.sizes] == [64, 64, 128, 128, 128]
+
+
+def test_hydra_overrides_reach_the_spec():
+    cfg = load_config(["family.tpp=[5,10]", "family.tau=[0.3]", "family.seeds=[3]"])
+    assert cfg.family.tpp == [5, 10] and cfg.family.tau == [0.3] and cfg.family.seeds == [3]
+
+
+def test_snakemake_config_keys_become_overrides():
+    assert hydra_overrides(
+        {"family": "ladder", "overrides": "family.tpp=[20] cluster=slurm_h100"}
+    ) == [
+        "family=ladder",
+        "family.tpp=[20]",
+        "cluster=slurm_h100",
+    ]
+    assert hydra_overrides({"overrides": ["a=1", "b=2"]}) == ["a=1", "b=2"]
+    with pytest.raises(ConfigError, match="unknown keys.*famly"):
+        hydra_overrides({"famly": "tiny"})
+
+
+def test_unknown_family_suggests_the_closest():
+    with pytest.raises(
+        ConfigError, match=r"family: no config named 'tinny' \(did you mean 'tiny'\?\)"
+    ):
+        load_config(["family=tinny"])
+
+
+# Each malformed spec: (what to break, the words the message must contain).
+def _set(path, value):
+    def edit(raw):
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return edit
+
+
+def _delete(path):
+    def edit(raw):
+        node = raw
+        for key in path[:-1]:
+            node = node[key]
+        del node[path[-1]]
+
+    return edit
+
+
+MALFORMED = {
+    "missing sizes": (_delete(["family", "sizes"]), ["family.sizes", "required field is missing"]),
+    "missing tpp": (_delete(["family", "tpp"]), ["family.tpp", "missing"]),
+    "zero d_model": (
+        _set(["family", "sizes", 0, "d_model"], 0),
+        ["sizes[0](d64).d_model", "greater than 0"],
+    ),
+    "negative layers": (
+        _set(["family", "sizes", 1, "n_layers"], -2),
+        ["sizes[1](d96).n_layers", "greater than 0"],
+    ),
+    "heads do not divide": (
+        _set(["family", "sizes", 0, "n_heads"], 5),
+        ["n_heads=5 does not divide d_model=64", "pick n_heads"],
+    ),
+    "misspelled size key": (
+        _set(["family", "sizes", 0, "d_modle"], 64),
+        ["sizes[0](d64).d_modle", "unknown key", "did you mean 'd_model'"],
+    ),
+    "misspelled top key": (
+        _set(["family", "seed"], [0]),
+        ["family.seed", "unknown key", "did you mean 'seeds'"],
+    ),
+    "misspelled nested key": (
+        _set(["family", "parameterization", "eta_bas"], 0.1),
+        ["parameterization.eta_bas", "did you mean 'eta_base'"],
+    ),
+    "tpp out of range": (
+        _set(["family", "tpp"], [0.01]),
+        ["family.tpp[0]", "greater than or equal to 0.5"],
+    ),
+    "tau out of range": (
+        _set(["family", "tau"], [50.0]),
+        ["family.tau", "less than or equal to 10"],
+    ),
+    "tau count mismatch": (
+        _set(["family", "tau"], [0.1, 0.2]),
+        ["2 values for 1 TPP bands"],
+    ),
+    "reference size not in family": (
+        _set(["family", "reference", "sizes"], ["d644"]),
+        ["reference.sizes", "'d644' is not a size", "did you mean 'd64'"],
+    ),
+    "sweep unknown hyperparameter": (
+        _set(["family", "sweeps", 0, "grid"], {"weight_decy": [0.1]}),
+        ["unknown hyperparameter 'weight_decy'", "did you mean 'weight_decay'"],
+    ),
+    "sweep size not in family": (
+        _set(["family", "sweeps", 0, "size"], "d512"),
+        ["sweeps[tau].size", "'d512' is not a size"],
+    ),
+    "unknown activation": (
+        _set(["family", "arch", "activation"], "relu2"),
+        ["family.arch.activation", "'gelu', 'squared_relu' or 'swiglu'"],
+    ),
+    "duplicate size names": (
+        _set(["family", "sizes", 1, "name"], "d64"),
+        ["duplicate size names ['d64']"],
+    ),
+    "batch table without batches": (
+        _set(["family", "batch", "rule"], "table"),
+        ["batch_seqs: missing for", "batch.rule is 'table'"],
+    ),
+    "vocabulary too small": (_set(["family", "arch", "vocab_size"], 100), ["vocab_size", "257"]),
+    "too few steps": (
+        _set(["family", "batch", "min_seqs"], 4096),
+        ["optimizer steps", "raise family.tpp or lower the batch"],
+    ),
+    "slurm cluster without partition": (
+        _set(["cluster", "executor"], "slurm"),
+        ["cluster", "partition"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_spec_names_field_and_fix(tiny_raw, case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    edit, words = MALFORMED[case]
+    raw = copy.deepcopy(tiny_raw)
+    edit(raw)
+    message = _error(raw)
+    for word in words:
+        assert word in message, f"{case}: {word!r} not in message:\n{message}"
+    assert not (tmp_path / "results").exists(), "a bad spec must write nothing"
+
+
+def test_no_layout_fits_names_size_and_fix():
+    raw = compose_config(
+        ["family=celerity", "cluster=slurm_h100", "cluster.gpu_mem_gb=1", "cluster.max_nodes=1"]
+    )
+    message = _error(raw)
+    assert "slurm_h100" in message and "memory" in message.lower()

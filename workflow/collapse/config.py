@@ -1,0 +1,455 @@
+"""The family spec and the cluster spec: composed once with Hydra, validated into typed objects.
+
+``compose_config`` turns the config groups under ``config/`` plus Hydra-style overrides into one
+plain dict; ``validate_config`` turns that dict into ``FamilySpec`` / ``ClusterSpec`` or raises
+``ConfigError`` naming every bad field and its fix. Nothing here writes files.
+"""
+
+from __future__ import annotations
+
+import difflib
+import shlex
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from collapse.data import DataConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A family or cluster spec that cannot be planned; the message names each field and a fix."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ------------------------------------------------------------------------------------ family
+class SizeSpec(_Spec):
+    """One model size. Architecture fields left out come from the family's ``arch`` block."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]*$")]
+    d_model: PositiveInt
+    n_layers: PositiveInt
+    n_heads: PositiveInt
+    head_dim: PositiveInt | None = None  # default d_model / n_heads
+    batch_seqs: PositiveInt | None = None  # used when batch.rule == "table"
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> SizeSpec:
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}: pick n_heads "
+                f"from {_divisors(self.d_model)} or set head_dim explicitly"
+            )
+        return self
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, min(n, 64) + 1) if n % k == 0]
+
+
+class ArchSpec(_Spec):
+    """Architecture shared by all sizes of a family."""
+
+    ffn_mult: PositiveFloat = 4.0
+    activation: Literal["gelu", "squared_relu", "swiglu"] = "gelu"
+    positions: Literal["rope", "alibi", "learned"] = "rope"
+    vocab_size: Annotated[int, Field(ge=257)] = 4096
+    seq_len: PositiveInt = 128
+    tied_embeddings: bool = False
+    norm_eps: PositiveFloat = 1e-5
+
+
+class TauPowerLaw(_Spec):
+    """tau_opt = coef * TPP^exponent (Power Lines, Bergsma et al. 2025a)."""
+
+    coef: PositiveFloat = 1.084
+    exponent: float = -0.527
+    scale: PositiveFloat = 1.0  # Celerity ran at about 0.8x the law
+
+
+class ScheduleSpec(_Spec):
+    """Linear warmup then linear decay to zero (D2Z, Bergsma et al. 2025b)."""
+
+    warmup_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    warmup_max_tokens: PositiveInt | None = None  # Celerity: min(10 % of tokens, 375M)
+    decay: Literal["linear_d2z"] = "linear_d2z"
+
+
+class ParameterizationSpec(_Spec):
+    """µP (Cerebras) or CompleteP; the tuned proxy values of the paper by default (PAPER.md §7)."""
+
+    kind: Literal["mup", "completep", "sp"] = "mup"
+    d_base: PositiveInt = 256
+    depth_base: PositiveInt = 2
+    sigma_base: PositiveFloat = 8.67e-2
+    eta_base: PositiveFloat = 1.62e-2
+    alpha_input: PositiveFloat = 9.17
+    alpha_output: PositiveFloat = 1.095
+    beta1: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
+    eps: PositiveFloat = 1e-8
+    completep_alpha: Annotated[float, Field(ge=0.5, le=1.0)] = 1.0
+
+
+class BatchSpec(_Spec):
+    """Global batch in sequences: a per-size table or a power law in D (Power Lines)."""
+
+    rule: Literal["table", "power_law"] = "power_law"
+    coef: PositiveFloat = 0.0306  # B_opt = coef * D^exponent, in 2048-token sequences
+    exponent: Annotated[float, Field(ge=0, le=1)] = 0.383
+    multiple_of: PositiveInt = 8
+    min_seqs: PositiveInt = 8
+
+
+class ReferenceSpec(_Spec):
+    """Which sizes build each band's reference curve, and with how many seeds."""
+
+    sizes: list[str] = Field(min_length=1)
+    seeds: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [0, 1, 2], min_length=1
+    )
+
+
+class SweepSpec(_Spec):
+    """A hyperparameter grid at one size; each variant is a run with its own spec."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$")]
+    size: str
+    tpp: PositiveFloat | None = None  # default: the family's first band
+    grid: dict[Literal["tau", "weight_decay", "batch_seqs", "lr_peak", "eta_base"], list[float]]
+    fraction: Annotated[float, Field(gt=0, le=1)] = 0.3
+    fractions: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: [0.1, 0.2, 0.3]
+    )
+    validate_full: bool = False  # train every variant to the end to measure the truth
+    seed: Annotated[int, Field(ge=0)] = 0
+
+    @field_validator("grid", mode="before")
+    @classmethod
+    def _known_hyperparameters(cls, grid: Any) -> Any:
+        known = ("tau", "weight_decay", "batch_seqs", "lr_peak", "eta_base")
+        if isinstance(grid, dict):
+            for key in grid:
+                if key not in known:
+                    raise ValueError(
+                        f"cannot sweep unknown hyperparameter {key!r}{_did_you_mean(key, known)}; "
+                        f"sweepable: {', '.join(known)}"
+                    )
+        return grid
+
+    @field_validator("grid")
+    @classmethod
+    def _non_empty(cls, grid: dict[str, list[float]]) -> dict[str, list[float]]:
+        if not grid or any(len(v) == 0 for v in grid.values()):
+            raise ValueError("a sweep needs at least one hyperparameter with at least one value")
+        if any(x <= 0 for v in grid.values() for x in v):
+            raise ValueError("sweep values must be positive")
+        return grid
+
+
+class TrainingSpec(_Spec):
+    """Knobs of the training job that are not scaling rules."""
+
+    grad_clip: PositiveFloat = 1.0
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    max_micro_batch_seqs: PositiveInt = 16
+    log_every_steps: PositiveInt = 10
+    eval_every_fraction: Annotated[float, Field(gt=0, le=1)] = 0.1
+    eval_batches: PositiveInt = 4
+    checkpoint_every_fraction: Annotated[float, Field(gt=0, le=1)] = 0.1
+    keep_checkpoints: PositiveInt = 2
+
+
+class GateSpec(_Spec):
+    """Threshold policy of the collapse gates (see collapse.gates) and per-run overrides."""
+
+    k_sigma: PositiveFloat = 4.0
+    floor: Annotated[float, Field(ge=0)] = 0.005
+    window: tuple[float, float] = (0.2, 1.0)
+    allow_fail: list[str] = Field(default_factory=list)  # runs whose failed gate does not block
+    monitor: bool = True  # non-reference sizes run the online monitor during training
+    monitor_every_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05
+    stop_on_alarm: bool = False
+
+
+class FamilySpec(_Spec):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")]
+    description: str = ""
+    sizes: list[SizeSpec] = Field(min_length=1)
+    arch: ArchSpec = Field(default_factory=ArchSpec)
+    tpp: list[Annotated[float, Field(ge=0.5, le=10000)]] = Field(min_length=1)
+    tau: list[Annotated[float, Field(gt=0, le=10)]] | TauPowerLaw
+    tpp_counts: Literal["all", "non_embedding"] = "all"
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    parameterization: ParameterizationSpec = Field(default_factory=ParameterizationSpec)
+    batch: BatchSpec = Field(default_factory=BatchSpec)
+    seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
+    reference: ReferenceSpec
+    sweeps: list[SweepSpec] = Field(default_factory=list)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    gates: GateSpec = Field(default_factory=GateSpec)
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> FamilySpec:
+        names = [s.name for s in self.sizes]
+        problems = []
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            problems.append(f"sizes: duplicate size names {dupes}; give every size its own name")
+        if isinstance(self.tau, list) and len(self.tau) not in (1, len(self.tpp)):
+            problems.append(
+                f"tau: {len(self.tau)} values for {len(self.tpp)} TPP bands; give one tau per "
+                "band, a single tau for all, or a power law {coef, exponent}"
+            )
+        for ref in self.reference.sizes:
+            if ref not in names:
+                problems.append(
+                    f"reference.sizes: {ref!r} is not a size of the family"
+                    f"{_did_you_mean(ref, names)}; sizes are {names}"
+                )
+        if self.batch.rule == "table":
+            missing = [s.name for s in self.sizes if s.batch_seqs is None]
+            if missing:
+                problems.append(
+                    f"sizes[].batch_seqs: missing for {missing} while batch.rule is 'table'; "
+                    "set batch_seqs per size or use batch.rule: power_law"
+                )
+        for sweep in self.sweeps:
+            if sweep.size not in names:
+                problems.append(
+                    f"sweeps[{sweep.name}].size: {sweep.size!r} is not a size of the family"
+                    f"{_did_you_mean(sweep.size, names)}"
+                )
+            if sweep.tpp is not None and sweep.tpp not in self.tpp:
+                problems.append(
+                    f"sweeps[{sweep.name}].tpp: {sweep.tpp} is not one of the bands {self.tpp}"
+                )
+            if "tau" in sweep.grid and "weight_decay" in sweep.grid:
+                problems.append(
+                    f"sweeps[{sweep.name}].grid: tau and weight_decay set the same thing "
+                    "(tau = B/(eta lambda D)); sweep one of them"
+                )
+        if len({s.name for s in self.sweeps}) != len(self.sweeps):
+            problems.append("sweeps: two sweeps share a name; names must be unique")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def size(self, name: str) -> SizeSpec:
+        return next(s for s in self.sizes if s.name == name)
+
+    def tau_for(self, tpp: float) -> float | TauPowerLaw:
+        if isinstance(self.tau, TauPowerLaw):
+            return self.tau
+        return self.tau[0] if len(self.tau) == 1 else self.tau[self.tpp.index(tpp)]
+
+
+# ----------------------------------------------------------------------------------- cluster
+class ClusterSpec(_Spec):
+    """Where the family trains: facts the layout, wall time and scheduler requests come from."""
+
+    name: str
+    executor: Literal["local", "slurm"] = "local"
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    # GPU clusters
+    gpus_per_node: Annotated[int, Field(ge=0)] = 0
+    gpu_mem_gb: Annotated[float, Field(ge=0)] = 0
+    max_nodes: PositiveInt = 1
+    cpus_per_gpu: PositiveInt = 8
+    mem_per_gpu_gb: PositiveFloat = 64
+    # both: peak FLOP/s per device (a GPU, or the whole CPU machine) and assumed MFU
+    peak_flops: PositiveFloat = 1.0e11
+    mfu: Annotated[float, Field(gt=0, le=1)] = 0.3
+    # CPU (local) runs
+    procs_per_run: PositiveInt = 1
+    threads_per_proc: PositiveInt = 2
+    mem_gb: PositiveFloat = 16
+    # scheduler
+    partition: str = ""
+    account: str = ""
+    runtime_margin: Annotated[float, Field(ge=1)] = 1.5  # requested time = estimate x margin
+    min_runtime_min: PositiveInt = 10
+
+    @model_validator(mode="after")
+    def _gpu_facts(self) -> ClusterSpec:
+        if self.accelerator == "gpu" and (self.gpus_per_node < 1 or self.gpu_mem_gb <= 0):
+            raise ValueError(
+                "a GPU cluster needs gpus_per_node >= 1 and gpu_mem_gb > 0 "
+                "(set them in config/cluster/<name>.yaml)"
+            )
+        if self.executor == "slurm" and not self.partition:
+            raise ValueError("partition: a Slurm cluster needs a partition name")
+        return self
+
+
+class Config(_Spec):
+    """The composed top-level config: one family on one cluster, outputs under ``results``."""
+
+    family: FamilySpec
+    cluster: ClusterSpec
+    results: str = "results"
+
+
+# ----------------------------------------------------------------------------- composition
+def hydra_overrides(snakemake_config: dict[str, Any]) -> list[str]:
+    """Hydra overrides from Snakemake's ``--config``: ``family=``, ``cluster=``, ``overrides=``.
+
+    ``overrides`` is a list (``'overrides=["family.tpp=[10]"]'``) or a space-separated string.
+    """
+    out = []
+    for group in ("family", "cluster"):
+        if snakemake_config.get(group):
+            out.append(f"{group}={snakemake_config[group]}")
+    extra = snakemake_config.get("overrides") or []
+    if isinstance(extra, str):
+        extra = shlex.split(extra)
+    out.extend(str(o) for o in extra)
+    unknown = sorted(set(snakemake_config) - {"family", "cluster", "overrides", "results"})
+    if unknown:
+        raise ConfigError(
+            f"--config: unknown keys {unknown}; use family=NAME, cluster=NAME, results=DIR, or "
+            "'overrides=[\"family.tpp=[10]\"]' for any other field"
+        )
+    if snakemake_config.get("results"):
+        out.append(f"results={snakemake_config['results']}")
+    return out
+
+
+def compose_config(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
+    """Compose ``config/config.yaml`` with its groups and ``overrides``; a plain resolved dict."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except HydraException as err:
+        raise ConfigError(_explain_hydra_error(err, Path(config_dir))) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
+    text = str(err)
+    for group in ("family", "cluster"):
+        marker = f"'{group}/"
+        if marker in text and "Could not find" in text:
+            name = text.split(marker, 1)[1].split("'", 1)[0]
+            options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+            return (
+                f"{group}: no config named {name!r}{_did_you_mean(name, options)}; "
+                f"available: {', '.join(options)} (files in {config_dir / group})"
+            )
+    return f"config overrides: {text.splitlines()[0]}"
+
+
+def validate_config(raw: dict[str, Any]) -> Config:
+    """Typed config from the composed dict, or ConfigError listing every problem with a fix."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, raw)) from None
+
+
+def load_config(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> Config:
+    return validate_config(compose_config(overrides, config_dir))
+
+
+# ------------------------------------------------------------------------------ messages
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that owns the last key of ``loc`` (for unknown-key hints)."""
+    import typing
+
+    current: Any = model
+    for key in loc[:-1]:
+        if isinstance(key, int) or not (
+            isinstance(current, type) and issubclass(current, BaseModel)
+        ):
+            if isinstance(key, int):
+                continue
+            return None
+        field = current.model_fields.get(key)
+        if field is None:
+            return None
+        current = _unwrap(field.annotation, typing)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unwrap(annotation: Any, typing) -> Any:
+    """The model class inside list[...], X | None, Annotated[...]."""
+    origin = typing.get_origin(annotation)
+    if origin is None:
+        return annotation
+    for arg in typing.get_args(annotation):
+        inner = _unwrap(arg, typing)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return annotation
+
+
+def format_validation_error(err: ValidationError, raw: dict[str, Any]) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = _format_loc(loc, raw)
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(Config, loc)
+            known = sorted(owner.model_fields) if owner else []
+            hint = _did_you_mean(loc[-1], known)
+            fix = f"remove it{hint}" + (f"; valid keys: {', '.join(known)}" if known else "")
+            lines.append(f"{where}: unknown key; {fix}")
+        elif e["type"] == "missing":
+            lines.append(f"{where}: required field is missing; add it to the family/cluster yaml")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            value = e.get("input")
+            shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+            lines.append(f"{where}: {msg}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _format_loc(loc: tuple, raw: dict[str, Any]) -> str:
+    """``family.sizes[2](d96).d_model``: indices shown with the size/sweep name when known."""
+    parts, node = [], raw
+    for key in loc:
+        if isinstance(key, int):
+            name = (
+                node[key].get("name")
+                if isinstance(node, list) and isinstance(node[key], dict)
+                else None
+            )
+            parts[-1] += f"[{key}]" + (f"({name})" if name else "")
+        elif key in ("function-after", "function-before") or "[" in str(key):
+            continue
+        else:
+            parts.append(str(key))
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return ".".join(parts)

@@ -1,0 +1,569 @@
+"""The compute plan: every run of a family with all its hyperparameters, resolved once.
+
+``plan_family`` is pure: from a validated ``Config`` it derives one ``RunSpec`` per run (size x
+TPP band x seed, and each sweep variant) with the scaling rules of ``collapse.scaling``, the FLOPs
+of ``collapse.flops`` and the layout of ``collapse.parallel``. ``write_plan`` writes the spec files
+(only those whose content changed, so unchanged runs never rerun), ``runs.csv`` and a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from collapse import flops as flops_rules
+from collapse import parallel, scaling
+from collapse.config import (
+    Config,
+    ConfigError,
+    FamilySpec,
+    SizeSpec,
+    SweepSpec,
+    TauPowerLaw,
+    load_config,
+)
+from collapse.layout import FamilyLayout
+from collapse.runspec import (
+    Logging,
+    ModelArch,
+    Monitor,
+    Optimization,
+    Parallelism,
+    Resources,
+    RunSpec,
+    write_if_changed,
+)
+
+# The columns of runs.csv, in order (issue 2 item 5, plus what the analysis stages read).
+RUNS_COLUMNS = [
+    "run", "role", "sweep", "size", "tpp_band", "tpp", "seed", "d_model", "n_layers", "n_heads",
+    "params", "params_non_embedding", "tokens", "seq_len", "batch_seqs", "steps", "lr_peak",
+    "weight_decay", "tau", "warmup_steps", "stop_fraction", "flops_6nd", "flops", "tp", "pp", "dp",
+    "micro_batch_seqs", "grad_accum", "gpus", "nodes", "wall_hours", "gpu_hours", "epochs",
+    "memory_gb_per_gpu", "is_reference", "monitored",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    runs: tuple[RunSpec, ...]
+    table: pd.DataFrame  # one row per run, RUNS_COLUMNS
+
+    @property
+    def layout(self) -> FamilyLayout:
+        return FamilyLayout.of(self.config.family.name, self.config.results)
+
+    def run_names(self, role: str | None = None) -> list[str]:
+        return [r.run for r in self.runs if role is None or r.role == role]
+
+    def spec(self, run: str) -> RunSpec:
+        return next(r for r in self.runs if r.run == run)
+
+
+def run_name(size: str, tpp: float, seed: int) -> str:
+    return f"{size}-tpp{tpp:g}-s{seed}"
+
+
+def sweep_run_name(sweep: SweepSpec, size: str, variant: dict[str, float]) -> str:
+    values = "-".join(f"{k}{v:g}" for k, v in sorted(variant.items()))
+    return f"sweep-{sweep.name}-{size}-{values}-s{sweep.seed}"
+
+
+def reference_csv(layout: FamilyLayout, tpp: float) -> Path:
+    return layout.reference_dir / f"tpp{tpp:g}" / "reference.csv"
+
+
+# ---------------------------------------------------------------------------------- planning
+def architecture(family: FamilySpec, size: SizeSpec) -> ModelArch:
+    a = family.arch
+    return ModelArch(
+        d_model=size.d_model,
+        n_layers=size.n_layers,
+        n_heads=size.n_heads,
+        head_dim=size.head_dim or size.d_model // size.n_heads,
+        ffn_hidden=int(round(a.ffn_mult * size.d_model)),
+        activation=a.activation,
+        positions=a.positions,
+        vocab_size=a.vocab_size,
+        seq_len=a.seq_len,
+        tied_embeddings=a.tied_embeddings,
+        norm_eps=a.norm_eps,
+    )
+
+
+def target_tau(family: FamilySpec, tpp: float) -> float:
+    rule = family.tau_for(tpp)
+    if isinstance(rule, TauPowerLaw):
+        return rule.scale * scaling.tau_power_law(tpp, rule.coef, rule.exponent)
+    return rule
+
+
+def plan_run(
+    cfg: Config,
+    size: SizeSpec,
+    tpp: float,
+    seed: int,
+    *,
+    corpus_tokens: int,
+    sweep: SweepSpec | None = None,
+    variant: dict[str, float] | None = None,
+) -> tuple[RunSpec, dict]:
+    """One run's spec plus the plan-only facts (wall time, memory, epochs) for runs.csv."""
+    family, cluster = cfg.family, cfg.cluster
+    layout = FamilyLayout.of(family.name, cfg.results)
+    variant = dict(variant or {})
+    arch = architecture(family, size)
+    count = scaling.param_count(arch)
+    tpp_params = count.total if family.tpp_counts == "all" else count.non_embedding
+    target_tokens = scaling.tokens_for_tpp(tpp, tpp_params)
+
+    if "batch_seqs" in variant:
+        batch_seqs = int(variant["batch_seqs"])
+    elif family.batch.rule == "table":
+        batch_seqs = size.batch_seqs
+    else:
+        b = family.batch
+        batch_seqs = max(
+            b.min_seqs,
+            scaling.batch_seqs_power_law(
+                target_tokens, b.coef, b.exponent, arch.seq_len, b.multiple_of
+            ),
+        )
+    steps = scaling.steps_for(target_tokens, batch_seqs, arch.seq_len)
+    tokens = scaling.realized_tokens(steps, batch_seqs, arch.seq_len)
+    batch_tokens = batch_seqs * arch.seq_len
+
+    p = family.parameterization
+    eta_base = variant.get("eta_base", p.eta_base)
+    if "lr_peak" in variant:  # the hidden-layer LR is set; the base LR follows
+        eta_base = variant["lr_peak"] * eta_base / _hidden_lr(arch, p, eta_base)
+    mup = scaling.mup_parameterization(
+        arch,
+        kind=p.kind,
+        d_base=p.d_base,
+        depth_base=p.depth_base,
+        sigma_base=p.sigma_base,
+        eta_base=eta_base,
+        alpha_input=p.alpha_input,
+        alpha_output=p.alpha_output,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        eps=p.eps,
+        completep_alpha=p.completep_alpha,
+    )
+    eta = mup.lr_hidden
+    if "weight_decay" in variant:
+        weight_decay = variant["weight_decay"]
+    else:
+        tau_goal = variant.get("tau", target_tau(family, tpp))
+        weight_decay = scaling.weight_decay_for_tau(tau_goal, eta, batch_tokens, tokens)
+    tau = scaling.tau_of(eta, weight_decay, batch_tokens, tokens)
+    warmup = scaling.warmup_steps(
+        steps,
+        fraction=family.schedule.warmup_fraction,
+        max_tokens=family.schedule.warmup_max_tokens,
+        batch_tokens=batch_tokens,
+    )
+    flops_6nd = flops_rules.flops_6nd(count.total, tokens)
+    flops = flops_rules.flops_table9(arch, count.total, tokens)
+
+    t = family.training
+    if cluster.accelerator == "gpu":
+        lay = parallel.choose_layout(
+            arch,
+            count.total,
+            batch_seqs=batch_seqs,
+            gpus_per_node=cluster.gpus_per_node,
+            gpu_mem_bytes=int(cluster.gpu_mem_gb * 2**30),
+            max_nodes=cluster.max_nodes,
+            max_micro_batch=t.max_micro_batch_seqs,
+        )
+        wall_hours = parallel.wall_time_hours(flops, lay.gpus, cluster.peak_flops, cluster.mfu)
+        gpu_hours = parallel.gpu_hours(flops, cluster.peak_flops, cluster.mfu)
+        threads = cluster.cpus_per_gpu * lay.procs_per_node
+        mem_mb = int(cluster.mem_per_gpu_gb * 1024 * lay.procs_per_node)
+        gpus_per_node = lay.procs_per_node
+    else:
+        lay = parallel.cpu_layout(
+            arch,
+            count.total,
+            batch_seqs=batch_seqs,
+            procs=cluster.procs_per_run,
+            max_micro_batch=t.max_micro_batch_seqs,
+        )
+        wall_hours = flops / (cluster.peak_flops * cluster.mfu) / 3600
+        gpu_hours = 0.0
+        threads = cluster.threads_per_proc * cluster.procs_per_run
+        mem_mb = int(cluster.mem_gb * 1024)
+        gpus_per_node = 0
+
+    stop_fraction = 1.0
+    if sweep is not None and not sweep.validate_full:
+        stop_fraction = max([sweep.fraction, *sweep.fractions])
+    wall_hours_run = wall_hours * stop_fraction
+    runtime_min = max(
+        cluster.min_runtime_min, math.ceil(wall_hours_run * 60 * cluster.runtime_margin)
+    )
+    is_reference = size.name in family.reference.sizes and sweep is None
+    monitored = family.gates.monitor and not is_reference and sweep is None
+    name = (
+        run_name(size.name, tpp, seed)
+        if sweep is None
+        else sweep_run_name(sweep, size.name, variant)
+    )
+    every = lambda fraction: max(1, round(steps * fraction))  # noqa: E731
+
+    spec = RunSpec(
+        run=name,
+        family=family.name,
+        size=size.name,
+        tpp_band=tpp,
+        tpp=tokens / tpp_params,
+        role="family" if sweep is None else "sweep",
+        sweep="" if sweep is None else sweep.name,
+        variant=variant,
+        params=count.total,
+        params_non_embedding=count.non_embedding,
+        flops_6nd=flops_6nd,
+        flops=flops,
+        dataset_prefix=str(layout.train_prefix),
+        valid_prefix=str(layout.valid_prefix),
+        tokenizer=str(layout.tokenizer),
+        run_dir=str(layout.run_dir(name)),
+        checkpoint_dir=str(layout.checkpoints(name)),
+        model=arch,
+        mup=mup,
+        optim=Optimization(
+            seed=seed,
+            tokens=tokens,
+            batch_seqs=batch_seqs,
+            steps=steps,
+            warmup_steps=warmup,
+            lr_peak=eta,
+            weight_decay=weight_decay,
+            tau=tau,
+            grad_clip=t.grad_clip,
+            stop_fraction=stop_fraction,
+        ),
+        parallel=Parallelism(
+            tp=lay.tp,
+            pp=lay.pp,
+            dp=lay.dp,
+            micro_batch_seqs=lay.micro_batch_seqs,
+            grad_accum=lay.grad_accum,
+            gpus=lay.gpus,
+            nodes=lay.nodes,
+            procs_per_node=lay.procs_per_node,
+        ),
+        resources=Resources(
+            threads=threads,
+            mem_mb=mem_mb,
+            gpus_per_node=gpus_per_node,
+            nodes=lay.nodes,
+            runtime_min=runtime_min,
+            slurm_partition=cluster.partition,
+            slurm_account=cluster.account,
+        ),
+        logging=Logging(
+            log_every_steps=min(t.log_every_steps, max(1, steps // 10)),
+            eval_every_steps=every(t.eval_every_fraction),
+            eval_batches=t.eval_batches,
+            checkpoint_every_steps=every(t.checkpoint_every_fraction),
+            keep_checkpoints=t.keep_checkpoints,
+        ),
+        monitor=Monitor(
+            enabled=monitored,
+            reference_csv=str(reference_csv(layout, tpp)) if monitored else "",
+            every_steps=every(family.gates.monitor_every_fraction) if monitored else 0,
+            stop_on_alarm=family.gates.stop_on_alarm,
+        ),
+    )
+    facts = {
+        "wall_hours": wall_hours_run,
+        "gpu_hours": gpu_hours * stop_fraction,
+        "epochs": tokens * stop_fraction / corpus_tokens if corpus_tokens else float("nan"),
+        "memory_gb_per_gpu": (lay.memory.total / 2**30) if lay.memory is not None else 0.0,
+        "is_reference": is_reference,
+        "monitored": monitored,
+    }
+    return spec, facts
+
+
+def _hidden_lr(arch: ModelArch, p, eta_base: float) -> float:
+    """The hidden-layer LR the parameterization gives for ``eta_base`` (to invert lr_peak)."""
+    return scaling.mup_parameterization(
+        arch,
+        kind=p.kind,
+        d_base=p.d_base,
+        depth_base=p.depth_base,
+        sigma_base=p.sigma_base,
+        eta_base=eta_base,
+        alpha_input=p.alpha_input,
+        alpha_output=p.alpha_output,
+        beta1=p.beta1,
+        beta2=p.beta2,
+        eps=p.eps,
+        completep_alpha=p.completep_alpha,
+    ).lr_hidden
+
+
+def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
+    keys = sorted(sweep.grid)
+    return [
+        dict(zip(keys, values, strict=True))
+        for values in itertools.product(*(sweep.grid[k] for k in keys))
+    ]
+
+
+def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
+    """Every run of the family; raises ConfigError (naming the size) when a run cannot be laid out."""
+    from collapse.data import estimate_corpus_tokens
+
+    family = cfg.family
+    layout = FamilyLayout.of(family.name, cfg.results)
+    if corpus_tokens is None:
+        try:
+            corpus_tokens = estimate_corpus_tokens(family.data, layout.data_dir)
+        except ValueError:  # a streamed source of unknown size: epochs are not known
+            corpus_tokens = 0
+    runs, rows = [], []
+
+    def add(spec: RunSpec, facts: dict) -> None:
+        runs.append(spec)
+        rows.append(_row(spec, facts))
+
+    try:
+        for tpp in family.tpp:
+            for size in family.sizes:
+                seeds = (
+                    family.reference.seeds if size.name in family.reference.sizes else family.seeds
+                )
+                for seed in seeds:
+                    add(*plan_run(cfg, size, tpp, seed, corpus_tokens=corpus_tokens))
+        for sweep in family.sweeps:
+            size = family.size(sweep.size)
+            tpp = sweep.tpp if sweep.tpp is not None else family.tpp[0]
+            for variant in sweep_variants(sweep):
+                add(
+                    *plan_run(
+                        cfg,
+                        size,
+                        tpp,
+                        sweep.seed,
+                        corpus_tokens=corpus_tokens,
+                        sweep=sweep,
+                        variant=variant,
+                    )
+                )
+    except parallel.LayoutError as err:
+        raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
+    _check_ranges(runs)
+    table = pd.DataFrame(rows, columns=RUNS_COLUMNS)
+    return Plan(config=cfg, runs=tuple(runs), table=table)
+
+
+def _check_ranges(runs: Iterable[RunSpec]) -> None:
+    """Plans that would train nonsense: fail before any job starts."""
+    problems = []
+    for r in runs:
+        if r.optim.steps < 10:
+            problems.append(
+                f"{r.run}: only {r.optim.steps} optimizer steps (tokens {r.optim.tokens}, batch "
+                f"{r.optim.batch_seqs} x {r.model.seq_len}); raise family.tpp or lower the batch"
+            )
+        if not 1e-3 <= r.optim.tau <= 10:
+            problems.append(
+                f"{r.run}: tau {r.optim.tau:.3g} is outside [0.001, 10]; check family.tau "
+                "(a fraction of training, e.g. 0.05-0.3)"
+            )
+    if problems:
+        raise ConfigError("plan:\n  " + "\n  ".join(problems))
+
+
+def _row(spec: RunSpec, facts: dict) -> dict:
+    m, o, p = spec.model, spec.optim, spec.parallel
+    return {
+        "run": spec.run,
+        "role": spec.role,
+        "sweep": spec.sweep,
+        "size": spec.size,
+        "tpp_band": spec.tpp_band,
+        "tpp": spec.tpp,
+        "seed": o.seed,
+        "d_model": m.d_model,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "params": spec.params,
+        "params_non_embedding": spec.params_non_embedding,
+        "tokens": o.tokens,
+        "seq_len": m.seq_len,
+        "batch_seqs": o.batch_seqs,
+        "steps": o.steps,
+        "lr_peak": o.lr_peak,
+        "weight_decay": o.weight_decay,
+        "tau": o.tau,
+        "warmup_steps": o.warmup_steps,
+        "stop_fraction": o.stop_fraction,
+        "flops_6nd": spec.flops_6nd,
+        "flops": spec.flops,
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "micro_batch_seqs": p.micro_batch_seqs,
+        "grad_accum": p.grad_accum,
+        "gpus": p.gpus,
+        "nodes": p.nodes,
+        **facts,
+    }
+
+
+# ----------------------------------------------------------------------------------- writing
+def write_plan(plan: Plan, out_dir: Path | None = None) -> list[str]:
+    """Write specs (only changed ones), runs.csv, the resolved config and the report.
+
+    Returns the runs whose spec file changed.
+    """
+    layout = plan.layout
+    out_dir = Path(out_dir or layout.plan_dir)
+    changed = [
+        spec.run
+        for spec in plan.runs
+        if write_if_changed(out_dir / "runs" / f"{spec.run}.json", spec.to_json())
+    ]
+    write_if_changed(out_dir / "config.json", _resolved_config(plan.config))
+    write_if_changed(out_dir / "data.json", plan.config.family.data.model_dump_json(indent=2))
+    write_if_changed(out_dir / "runs.csv", plan.table.to_csv(index=False))
+    write_if_changed(out_dir / "report.md", plan_report_markdown(plan))
+    plot_plan(plan.table, out_dir / "plan.png")
+    return changed
+
+
+def _resolved_config(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+def plan_report_markdown(plan: Plan) -> str:
+    fam, cl, t = plan.config.family, plan.config.cluster, plan.table
+    show = [
+        "run", "params", "tokens", "tpp", "batch_seqs", "steps", "lr_peak", "weight_decay", "tau",
+        "warmup_steps", "flops", "tp", "pp", "dp", "gpus", "nodes", "wall_hours", "gpu_hours",
+        "epochs",
+    ]  # fmt: skip
+    fmt = t[show].copy()
+    for col in ("params", "tokens", "flops"):
+        fmt[col] = fmt[col].map(_si)
+    for col in ("lr_peak", "weight_decay", "tau", "tpp", "wall_hours", "gpu_hours", "epochs"):
+        fmt[col] = fmt[col].map(lambda x: f"{x:.3g}")
+    total_gpu_h = t["gpu_hours"].sum()
+    total_wall_h = t["wall_hours"].sum()
+    lines = [
+        f"# Compute plan: family `{fam.name}` on cluster `{cl.name}`",
+        "",
+        fam.description,
+        "",
+        f"- runs: {len(t)} ({(t.role == 'family').sum()} family, {(t.role == 'sweep').sum()} sweep)",
+        f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; 6ND: {_si(t.flops_6nd.sum())}",
+        f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",
+        f"- wall-hours if run one after another: {total_wall_h:,.2f}",
+        f"- reference sizes: {', '.join(fam.reference.sizes)} (seeds {fam.reference.seeds})",
+        "",
+        fmt.to_markdown(index=False) if _has_tabulate() else fmt.to_string(index=False),
+        "",
+        "![tokens, FLOPs and GPU-hours by size](plan.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def plot_plan(table: pd.DataFrame, path: Path) -> None:
+    """Tokens, FLOPs and GPU-hours (or CPU wall-hours) per size, log scales: one glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fam = table[table.role == "family"].groupby("size", sort=False).first().reset_index()
+    fam = fam.sort_values("params")
+    hours_col = "gpu_hours" if fam["gpu_hours"].sum() > 0 else "wall_hours"
+    panels = [
+        ("tokens", "training tokens"),
+        ("flops", "training FLOPs (Table 9)"),
+        (hours_col, "GPU-hours" if hours_col == "gpu_hours" else "CPU wall-hours"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    for ax, (col, label) in zip(axes, panels, strict=True):
+        for band, rows in table[table.role == "family"].groupby("tpp_band"):
+            rows = rows.groupby("size", sort=False).first().sort_values("params")
+            ax.plot(rows["params"], rows[col], "o-", label=f"TPP {band:g}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        for _, r in fam.iterrows():
+            ax.annotate(r["size"], (r["params"], r[col]), fontsize=7, alpha=0.7)
+    axes[0].legend()
+    fig.suptitle("Compute plan by size")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- CLI
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="validate a family spec and write its compute plan",
+        description="Compose the family and cluster configs (Hydra), validate them, derive every "
+        "run's hyperparameters and write results/<family>/plan/: one spec per run, runs.csv, "
+        "report.md and plan.png. Nothing is written when the spec is invalid.",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides, e.g. family=celerity cluster=slurm_h100 family.tpp=[20]",
+    )
+    p.add_argument("--out", type=Path, help="plan directory (default results/<family>/plan)")
+    p.add_argument("--config-dir", type=Path, default=None, help="config folder (default config/)")
+    p.add_argument("--show", action="store_true", help="print the plan table")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from collapse.config import CONFIG_DIR
+
+    try:
+        plan = plan_family(load_config(args.overrides, args.config_dir or CONFIG_DIR))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    changed = write_plan(plan, args.out)
+    out = args.out or plan.layout.plan_dir
+    print(f"planned {len(plan.runs)} runs into {out} ({len(changed)} spec files changed)")
+    if args.show:
+        print(plan_report_markdown(plan))
+    return 0

@@ -1,0 +1,76 @@
+"""Compose and validate the family spec once, plan it in memory, and name every output.
+
+The plan is computed at parse time (pure functions, fast) so the DAG has its real shape in a dry
+run; a bad spec stops here, before any job, with a message naming the field and the fix.
+"""
+
+import hashlib
+import os
+import shlex
+
+from snakemake.exceptions import WorkflowError
+
+from collapse.config import ConfigError, hydra_overrides, load_config
+from collapse.launch import slurm_resources, train_command
+from collapse.plan import plan_family, reference_csv
+
+try:
+    OVERRIDES = hydra_overrides(config)
+    PLAN = plan_family(load_config(OVERRIDES))
+except ConfigError as err:
+    raise WorkflowError(str(err)) from None
+
+CFG = PLAN.config
+FAMILY = CFG.family
+LAYOUT = PLAN.layout
+ROOT = str(LAYOUT.root)
+TPP_BANDS = [f"{b:g}" for b in FAMILY.tpp]
+FAMILY_RUNS = PLAN.run_names("family")
+SWEEP_RUNS = PLAN.run_names("sweep")
+SWEEPS = [s.name for s in FAMILY.sweeps]
+PLAN_OUT = str(LAYOUT.plan_dir)
+
+
+wildcard_constraints:
+    run="[A-Za-z0-9][A-Za-z0-9._-]*",
+    band="[0-9.]+",
+    sweep="[A-Za-z0-9-]+",
+
+
+def spec_of(wildcards):
+    return PLAN.spec(wildcards.run)
+
+
+def spec_sha(wildcards):
+    """Content hash of a run's spec: the rerun trigger (mtimes of specs are ignored)."""
+    return hashlib.sha256(spec_of(wildcards).to_json().encode()).hexdigest()[:16]
+
+
+def runs_in_band(band, *, reference_only=False):
+    rows = PLAN.table[
+        (PLAN.table.role == "family") & (PLAN.table.tpp_band == float(band))
+    ]
+    if reference_only:
+        rows = rows[rows.is_reference]
+    return list(rows.run)
+
+
+def curve(run):
+    return str(LAYOUT.curve(run))
+
+
+def train_inputs(wildcards):
+    """The spec (content-tracked, mtime ignored), the dataset and, when monitored, the reference."""
+    spec = spec_of(wildcards)
+    inputs = {
+        "spec": ancient(str(LAYOUT.spec(wildcards.run))),
+        "data": multiext(str(LAYOUT.train_prefix), ".bin", ".idx"),
+        "valid": multiext(str(LAYOUT.valid_prefix), ".bin", ".idx"),
+    }
+    if spec.monitor.enabled:
+        inputs["reference"] = spec.monitor.reference_csv
+    return inputs
+
+
+def train_resource(key):
+    return lambda wildcards: slurm_resources(spec_of(wildcards)).get(key, 0)

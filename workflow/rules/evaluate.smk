@@ -1,0 +1,15 @@
+rule evaluate:
+    """Held-out loss and downstream tasks (lm-evaluation-harness) of a finished, gated run."""
+    input:
+        meta=f"{ROOT}/runs/{{run}}/meta.json",
+        gate=f"{ROOT}/gates/{{run}}.json",
+        spec=ancient(str(LAYOUT.spec("{run}"))),
+    output:
+        result=f"{ROOT}/evals/{{run}}.json",
+    log:
+        f"{ROOT}/logs/evals/{{run}}.log",
+    conda:
+        "../../envs/collapse.yaml"
+    threads: 2
+    shell:
+        "collapse stage evaluate --spec {input.spec} --out {output.result} > {log} 2>&1"

@@ -1,0 +1,32 @@
+rule train:
+    """One run: Megatron-Core under torchrun. Checkpoints live outside the declared outputs."""
+    input:
+        unpack(train_inputs),
+    output:
+        curve=f"{ROOT}/runs/{{run}}/curve.parquet",
+        valid=f"{ROOT}/runs/{{run}}/valid.parquet",
+        meta=f"{ROOT}/runs/{{run}}/meta.json",
+    log:
+        f"{ROOT}/logs/train/{{run}}.log",
+    benchmark:
+        f"{ROOT}/benchmarks/train/{{run}}.tsv"
+    conda:
+        "../../envs/collapse.yaml"
+    threads: lambda wc: spec_of(wc).resources.threads
+    resources:
+        mem_mb=lambda wc: spec_of(wc).resources.mem_mb,
+        runtime=lambda wc: spec_of(wc).resources.runtime_min,
+        nodes=train_resource("nodes"),
+        gpu=train_resource("gpu"),
+        tasks=train_resource("tasks"),
+        cpus_per_task=train_resource("cpus_per_task"),
+        slurm_partition=lambda wc: spec_of(wc).resources.slurm_partition,
+        slurm_account=lambda wc: spec_of(wc).resources.slurm_account,
+        slurm_extra=train_resource("slurm_extra"),
+    params:
+        spec_sha=spec_sha,
+        command=lambda wc: train_command(
+            spec_of(wc), str(LAYOUT.spec(wc.run)), executor=CFG.cluster.executor
+        ),
+    shell:
+        "{params.command} > {log} 2>&1"
