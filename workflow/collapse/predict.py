@@ -273,8 +273,9 @@ def predict_runs(
     if "loss_smooth" not in data.columns:
         raise ValueError("curves have no loss_smooth column: call collapse.curves.smooth first")
     rows = []
+    by_run = dict(tuple(data.groupby("run", sort=False)))
     for run in runs if runs is not None else curves.runs:
-        curve = data[data["run"] == run]
+        curve = by_run[run]
         t_hat = curve["t_hat"].to_numpy(float)
         loss = curve["loss_smooth"].to_numpy(float)
         complete = bool(curves.meta.at[run, "complete"])

@@ -106,9 +106,9 @@ def sweep_metrics(predictions: pd.DataFrame, truth: pd.DataFrame) -> pd.DataFram
     _require(predictions, PREDICTION_COLUMNS, "predictions")
     _require(truth, TRUTH_COLUMNS, "truth")
     preds = predictions.drop(columns=["true_final_loss", "flops"], errors="ignore").copy()
+    keys = ["sweep", "run"] if "sweep" in preds.columns and "sweep" in truth.columns else ["run"]
     if "sweep" not in preds.columns:
         preds["sweep"] = ""
-    keys = ["sweep", "run"] if "sweep" in truth.columns else ["run"]
     extra = [c for c in ("flops",) if c in truth.columns]
     truth_cols = truth[[*keys, "true_final_loss", *extra]].drop_duplicates(keys)
     merged = preds.merge(truth_cols, on=keys, how="left", validate="many_to_one")
@@ -150,10 +150,15 @@ def plot_sweep_metrics(metrics: pd.DataFrame):
     fig = Figure(figsize=(10, 4), layout="tight")
     ax_err, ax_regret = fig.subplots(1, 2)
     several = metrics["sweep"].nunique() > 1
+    methods = list(pd.unique(metrics["method"]))
     for (sweep, method), rows in metrics.groupby(["sweep", "method"], sort=False):
         rows = rows.sort_values("fraction")
         label = f"{sweep}: {method}" if several else method
-        style = dict(marker="o", ls=":" if method == "random" else "-", label=label)
+        k = methods.index(method)  # shrinking markers keep coinciding points visible
+        style = dict(
+            marker="osD^v"[k % 5], ms=9 - 1.5 * (k % 5), ls=":" if method == "random" else "-"
+        )
+        style["label"] = label
         if rows["mean_abs_error_pct"].notna().any():
             ax_err.plot(100 * rows["fraction"], rows["mean_abs_error_pct"], **style)
         ax_regret.plot(100 * rows["compute_fraction_of_full_sweep"], rows["regret_loss"], **style)
