@@ -225,6 +225,25 @@ def test_cli_with_a_reference_file_predicts_every_run(tmp_path):
     assert table["run"].nunique() == 6
     collapse = table[table["method"] == "collapse"].dropna()
     assert collapse["abs_error_pct"].max() < 1.0
+    # a sweep report without every truth still selects (big_3, stopped at 40 %, ends lowest)
+    assert (
+        run_cli(
+            [
+                str(curves),
+                "--reference",
+                str(ref_dir / "reference.csv"),
+                "--fraction",
+                "0.2",
+                "--out",
+                str(out),
+                "--sweep-report",
+            ]
+        )
+        == 0
+    )
+    metrics = pd.read_csv(out / "sweep_metrics.csv").set_index("method")
+    assert metrics.loc["collapse", "selected_run"] == "big_3"
+    assert np.isnan(metrics.loc["collapse", "regret_loss"])
 
 
 def test_cli_names_the_sizes_it_has(tmp_path, capsys):

@@ -105,7 +105,8 @@ def test_missing_truth_leaves_regret_undefined():
     metrics = sweep_metrics(predictions, pd.DataFrame({"run": ["a"], "true_final_loss": [2.0]}))
     row = metrics.set_index("method").loc["collapse"]
     assert row["mean_abs_error_pct"] == 0.0
-    assert np.isnan(row["regret_loss"]) and not row["found_best"]
+    assert row["selected_run"] == "a"
+    assert np.isnan(row["regret_loss"]) and row["found_best"] is None
 
 
 def test_sweeps_are_kept_apart_and_bad_columns_named():

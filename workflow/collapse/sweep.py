@@ -87,7 +87,7 @@ def _one_group(sweep: str, method: str, fraction: float, group: pd.DataFrame) ->
         "selected_run": chosen["run"],
         "selected_true_final_loss": float(chosen["true_final_loss"]),
         "regret_loss": float(chosen["true_final_loss"]) - row["best_true_final_loss"],
-        "found_best": complete and chosen["run"] == row["best_run"],
+        "found_best": chosen["run"] == row["best_run"] if complete else None,
         "compute_fraction_incl_finishing_selected": float(
             partial_compute + (1 - fraction) * cost[chosen.name] / cost.sum()
         ),
