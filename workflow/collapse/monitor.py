@@ -1,0 +1,199 @@
+"""Online collapse monitor: the gate, applied while a run trains (PAPER.md section 4).
+
+The training loop calls ``observe`` every step (cheap: appends to lists) and ``check`` every
+``spec.monitor.every_steps``. Before the end of the align window the monitor only records.
+After it, the run is early-aligned once (L(T) chosen to match the reference over the window;
+the window's data never changes afterwards) and every check computes the residual
+r = (L_smooth - L0)/(L(T) - L0) - ell_ref at the steps since the previous check, appends a JSON
+line to ``monitor.jsonl`` and warns through ``logging`` when |r| crosses the threshold:
+``spec.monitor.threshold`` when set (> 0), else the gate policy calibrated from the reference's
+seed noise (collapse.gates). Stopping is the training loop's decision
+(``MonitorVerdict.stop`` = alarm and ``spec.monitor.stop_on_alarm``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from collapse.curves import default_window_steps, trailing_mean
+from collapse.gates import GatePolicy, calibrate_threshold
+from collapse.reference import ReferenceCurve, early_align
+from collapse.runspec import RunSpec
+
+log = logging.getLogger("collapse.monitor")
+
+
+@dataclass(frozen=True)
+class MonitorVerdict:
+    alarm: bool
+    message: str
+    t_hat: float
+    residual: float | None  # the largest |r| since the previous check, signed; None: waiting
+    threshold: float
+    step: int = 0
+    status: str = "waiting"  # "waiting" (before the align window), "ok", "alarm"
+    aligned_final_loss: float | None = None  # L(T) from early-align (nats/token)
+    stop: bool = False  # alarm and spec.monitor.stop_on_alarm
+
+
+def _finite(x: float | None) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+class OnlineMonitor:
+    """Residual of a training run against its family's reference, checked as it trains."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        log_path: Path,
+        policy: GatePolicy | None = None,
+        window_steps: int | None = None,
+    ) -> None:
+        path = Path(spec.monitor.reference_csv)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"monitor.reference_csv {path} does not exist; the reference of this run's "
+                "band must be built before monitored runs start (or set monitor.enabled=false)"
+            )
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.policy = policy or GatePolicy()
+        self.reference = ReferenceCurve.read_csv(path)
+        summary_path = path.parent / "reference.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        self.offset = float(summary.get("offset", 0.0) or 0.0)
+        self.reference = ReferenceCurve(
+            **{**self.reference.__dict__, "sizes": summary.get("reference_sizes", [])}
+        )
+        if spec.monitor.threshold > 0:
+            self.threshold = float(spec.monitor.threshold)
+            self.threshold_basis = f"monitor.threshold {spec.monitor.threshold:g} of the run spec"
+        else:
+            self.threshold, self.threshold_basis = calibrate_threshold(self.reference, self.policy)
+        smoothing = (summary.get("smoothing") or {}).get("window_steps")
+        self.window_steps = int(window_steps or smoothing or default_window_steps(spec.optim.steps))
+        self._steps: list[int] = []
+        self._t_hat: list[float] = []
+        self._loss: list[float] = []
+        self._checked = 0  # history index from which the next check looks
+        self._aligned: float | None = None
+        self.first_crossing_t_hat: float | None = None
+
+    # called every training step: keep it cheap
+    def observe(self, step: int, t_hat: float, loss: float) -> None:
+        if self._steps and step <= self._steps[-1]:  # resumed from an earlier checkpoint
+            keep = int(np.searchsorted(self._steps, step))
+            del self._steps[keep:], self._t_hat[keep:], self._loss[keep:]
+            self._checked = min(self._checked, keep)
+        self._steps.append(int(step))
+        self._t_hat.append(float(t_hat))
+        self._loss.append(float(loss))
+
+    def _smoothed(self, start: int) -> np.ndarray:
+        """Trailing-mean loss for history indices start.. (the same smoothing as the analysis)."""
+        lo = max(0, start - self.window_steps)
+        steps = np.asarray(self._steps[lo:], dtype=np.int64)
+        loss = np.asarray(self._loss[lo:], dtype=float)
+        window = np.full(len(steps), self.window_steps, dtype=np.int64)
+        return trailing_mean(loss, steps, np.zeros(len(steps)), window)[start - lo :]
+
+    def check(self) -> MonitorVerdict:
+        """Residual since the last check; appends one JSON line to the log and warns on alarm."""
+        n = len(self._steps)
+        t_now = self._t_hat[-1] if n else 0.0
+        step_now = self._steps[-1] if n else 0
+        align_end = self.policy.align_window[1]
+        if t_now < align_end:
+            verdict = MonitorVerdict(
+                alarm=False,
+                message=f"recording: t_hat {t_now:.3f} is before the end of the align window "
+                f"{align_end:g}",
+                t_hat=t_now,
+                residual=None,
+                threshold=self.threshold,
+                step=step_now,
+            )
+            self._write(verdict)
+            return verdict
+        if self._aligned is None:
+            smooth_all = self._smoothed(0)
+            self._aligned = (
+                early_align(
+                    np.asarray(self._t_hat),
+                    smooth_all,
+                    self.reference.t_hat,
+                    self.reference.ell,
+                    self.policy.align_window,
+                    self.offset,
+                ).final_loss
+                if np.isfinite(smooth_all).any()
+                else math.nan
+            )
+        start = self._checked
+        self._checked = n
+        t = np.asarray(self._t_hat[start:])
+        smooth = self._smoothed(start)
+        in_window = (t >= self.policy.window[0]) & (t <= self.policy.window[1])
+        t, smooth = t[in_window], smooth[in_window]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = (smooth - self.offset) / (self._aligned - self.offset) - self.reference.at(t)
+        if len(r) == 0:
+            residual, at = None, t_now
+            alarm = False
+        elif not np.isfinite(r).all():
+            at = float(t[np.flatnonzero(~np.isfinite(r))[0]])
+            residual, alarm = math.nan, True
+        else:
+            i = int(np.argmax(np.abs(r)))
+            residual, at = float(r[i]), float(t[i])
+            alarm = abs(residual) > self.threshold
+        if alarm and self.first_crossing_t_hat is None:
+            self.first_crossing_t_hat = at
+        sizes = ", ".join(self.reference.sizes) or "the reference sizes"
+        if alarm and residual is not None and math.isnan(residual):
+            message = f"{self.spec.run}: the loss is not finite at t_hat {at:.3f} (step {step_now})"
+        elif alarm:
+            side = "above" if residual > 0 else "below"
+            message = (
+                f"{self.spec.run}: normalized loss {side} the reference ({sizes}) at t_hat "
+                f"{at:.3f}: residual {residual:+.4f} crosses the threshold {self.threshold:.4f} "
+                f"({self.threshold_basis}); first crossing at t_hat "
+                f"{self.first_crossing_t_hat:.3f}; log: {self.log_path}"
+            )
+        else:
+            message = (
+                f"{self.spec.run}: ok at t_hat {t_now:.3f}: residual "
+                f"{'n/a' if residual is None else f'{residual:+.4f}'} within "
+                f"{self.threshold:.4f}"
+            )
+        verdict = MonitorVerdict(
+            alarm=alarm,
+            message=message,
+            t_hat=at,
+            residual=residual,
+            threshold=self.threshold,
+            step=step_now,
+            status="alarm" if alarm else "ok",
+            aligned_final_loss=_finite(self._aligned),
+            stop=alarm and self.spec.monitor.stop_on_alarm,
+        )
+        if alarm:
+            log.warning("collapse monitor alarm: %s", message)
+        self._write(verdict)
+        return verdict
+
+    def _write(self, verdict: MonitorVerdict) -> None:
+        record = {
+            k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(verdict).items()
+        }
+        record["first_crossing_t_hat"] = self.first_crossing_t_hat
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
