@@ -6,9 +6,10 @@ predicted final loss. Two baselines sit beside it, because the paper compares ag
 "current" (the loss now) and a power-law extrapolation of the partial curve. Under a
 decay-to-zero schedule the loss drops sharply late in training, so both baselines overestimate.
 
-Every function here works on plain arrays (t_hat = step / total steps of the full-length
-schedule, loss already smoothed by a trailing window); the command `collapse predict` does the
-loading, cutting and smoothing.
+The predict_* functions work on plain arrays (t_hat = step / total steps of the full-length
+schedule, loss already smoothed by a trailing window), all methods over the same alignment
+window; ``predict_runs`` and the command `collapse predict` do the loading, smoothing and
+cutting of whole curve tables.
 """
 
 from __future__ import annotations
