@@ -17,6 +17,9 @@ SUBCOMMANDS = {
     "data": "collapse.data",
     "analyze": "collapse.analysis",
     "predict": "collapse.predict",
+    "evaluate": "collapse.evaluate",
+    "report": "collapse.report",
+    "stage": "collapse.stages",
 }
 
 
@@ -27,7 +30,7 @@ def build_parser(modules: dict[str, str] = SUBCOMMANDS) -> argparse.ArgumentPars
         "(Bergsma et al. 2025, arXiv 2509.25087).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, module in modules.items():
+    for module in modules.values():
         try:
             importlib.import_module(module).add_cli(sub)
         except ModuleNotFoundError as err:  # a stage not built yet must not break the others

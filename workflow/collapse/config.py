@@ -187,6 +187,24 @@ class GateSpec(_Spec):
     stop_on_alarm: bool = False
 
 
+PAPER_TASKS = (
+    "arc_challenge",
+    "arc_easy",
+    "boolq",
+    "hellaswag",
+    "piqa",
+    "social_iqa",
+    "winogrande",
+)
+
+
+class EvaluationSpec(_Spec):
+    """Downstream evaluation (lm-evaluation-harness, offline); ``limit`` examples per task."""
+
+    tasks: list[Literal[PAPER_TASKS]] = Field(default_factory=lambda: list(PAPER_TASKS))
+    limit: PositiveInt | None = None  # None: every example (GPU clusters)
+
+
 class FamilySpec(_Spec):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*$")]
     description: str = ""
@@ -204,6 +222,7 @@ class FamilySpec(_Spec):
     data: DataConfig = Field(default_factory=DataConfig)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     gates: GateSpec = Field(default_factory=GateSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> FamilySpec:

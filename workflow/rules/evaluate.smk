@@ -11,5 +11,9 @@ rule evaluate:
     conda:
         "../../envs/collapse.yaml"
     threads: 2
+    params:
+        limit=f"--limit {FAMILY.evaluation.limit}" if FAMILY.evaluation.limit else "",
+        tasks=",".join(FAMILY.evaluation.tasks),
     shell:
-        "collapse stage evaluate --spec {input.spec} --out {output.result} > {log} 2>&1"
+        "collapse stage evaluate --spec {input.spec} --gate {input.gate} {params.limit}"
+        " --tasks {params.tasks} --out {output.result} > {log} 2>&1"

@@ -1,0 +1,150 @@
+"""``collapse stage NAME``: the one call each Snakemake rule makes after training.
+
+Each stage is a thin adapter from a rule's inputs/outputs to the library function that does the
+work (``collapse.analysis``, ``collapse.predict``/``collapse.sweep``, ``collapse.evaluate``,
+``collapse.report``); the rules stay free of logic and the functions stay usable without Snakemake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _reference(args: argparse.Namespace) -> int:
+    from collapse.analysis import build_reference
+
+    reference = build_reference(
+        args.curves, args.runs, [s for s in args.sizes.split(",") if s], args.out
+    )
+    print(f"reference of sizes {args.sizes} (band TPP {args.band}): {len(reference.t_hat)} points")
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from collapse.analysis import gate_run
+    from collapse.gates import GatePolicy
+
+    policy = GatePolicy.model_validate({**json.loads(args.policy), "enforce": not args.allow_fail})
+    verdict = gate_run(args.curve, args.reference, args.runs, policy, args.out, args.plot)
+    print(verdict.message)
+    return 0  # the verdict is the output; downstream rules refuse a failed one
+
+
+def _collapse(args: argparse.Namespace) -> int:
+    from collapse.analysis import family_statistics
+
+    stats = family_statistics(args.curves, args.runs, args.out, reference=args.reference)
+    print(json.dumps({"supercollapse": stats.to_dict().get("supercollapse")}))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """Predict every variant from its partial curve; metrics against the truth where known."""
+    import pandas as pd
+
+    from collapse.curves import read_curves, smooth
+    from collapse.predict import predict_runs
+    from collapse.reference import ReferenceCurve
+    from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
+
+    curves = smooth(read_curves(args.curves, args.runs))
+    reference = ReferenceCurve.read_csv(args.reference)
+    table = predict_runs(curves, reference, args.fractions)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "predictions.csv", index=False, float_format="%.6g")
+    runs = pd.read_csv(args.runs).set_index("run")
+    truth = truth_from_predictions(table)
+    truth["flops"] = truth["run"].map(runs["flops"])
+    metrics = sweep_metrics(table, truth)
+    metrics.to_csv(out / "metrics.csv", index=False, float_format="%.6g")
+    write_sweep_report(metrics, out)
+    chosen = metrics[metrics.method == "collapse"].sort_values("fraction")
+    for _, row in chosen.iterrows():
+        print(f"at {row.fraction:.0%}: collapse selects {row.selected_run}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from collapse.evaluate import evaluate_run
+    from collapse.gates import GateFailed, require_passed
+
+    try:
+        require_passed(args.gate)
+    except GateFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        print("(allow it with family.gates.allow_fail=[<run>] to evaluate anyway)", file=sys.stderr)
+        return 3
+    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
+    evaluate_run(args.spec, args.out, limit=args.limit, tasks=tasks)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from collapse.report import build_report
+
+    paths = build_report(Path(args.root), Path(args.out).parent)
+    print(f"report: {len(paths)} files in {Path(args.out).parent}")
+    return 0
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    stage = subparsers.add_parser(
+        "stage",
+        help="run one workflow stage (what the Snakemake rules call)",
+        description="The workflow's stages after training, one per Snakemake rule. Users "
+        "normally run `snakemake`; `collapse analyze` and `collapse predict` are the stand-alone "
+        "commands for curves from anywhere.",
+    )
+    sub = stage.add_subparsers(dest="stage", metavar="STAGE", required=True)
+
+    p = sub.add_parser("reference", help="reference curve of one TPP band")
+    p.add_argument("curves", nargs="+", type=Path, help="curve.parquet of the reference runs")
+    p.add_argument("--runs", type=Path, required=True, help="plan/runs.csv (run metadata)")
+    p.add_argument("--sizes", required=True, help="reference sizes, comma-separated")
+    p.add_argument("--band", required=True, help="the TPP band (for the log)")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.set_defaults(func=_reference)
+
+    p = sub.add_parser("gate", help="one run's residual against its reference: verdict + plot")
+    p.add_argument("--curve", type=Path, required=True)
+    p.add_argument("--reference", type=Path, required=True, help="reference.csv")
+    p.add_argument("--runs", type=Path, required=True, help="plan/runs.csv")
+    p.add_argument("--policy", default="{}", help="gate policy as JSON (family.gates)")
+    p.add_argument("--allow-fail", action="store_true", help="record a failure, do not block")
+    p.add_argument("--out", type=Path, required=True, help="verdict JSON")
+    p.add_argument("--plot", type=Path, required=True, help="evidence PNG")
+    p.set_defaults(func=_gate)
+
+    p = sub.add_parser("collapse", help="Delta vs sigma and the supercollapse verdict of a band")
+    p.add_argument("curves", nargs="+", type=Path)
+    p.add_argument("--runs", type=Path, required=True)
+    p.add_argument("--sizes", default="", help="reference sizes (for the log)")
+    p.add_argument("--band", required=True)
+    p.add_argument("--reference", type=Path, default=None, help="reference.csv")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=_collapse)
+
+    p = sub.add_parser("sweep", help="predict a sweep's final losses from partial runs")
+    p.add_argument("curves", nargs="+", type=Path)
+    p.add_argument("--runs", type=Path, required=True)
+    p.add_argument("--reference", type=Path, required=True)
+    p.add_argument("--fractions", type=float, nargs="+", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=_sweep)
+
+    p = sub.add_parser("evaluate", help="held-out loss and downstream tasks of a gated run")
+    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--gate", type=Path, required=True, help="the run's gate verdict")
+    p.add_argument("--limit", type=int, default=None, help="examples per task (CPU)")
+    p.add_argument("--tasks", default="", help="comma-separated task names (default: all seven)")
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser("report", help="every figure and table of a family")
+    p.add_argument("--root", type=Path, required=True, help="results/<family>")
+    p.add_argument("--out", type=Path, required=True, help="report/index.md")
+    p.set_defaults(func=_report)
