@@ -1,0 +1,162 @@
+"""Core attention for Megatron-Core's local layer spec: PyTorch SDPA, with optional ALiBi.
+
+Why: the local spec's ``DotProductAttention`` materializes the score matrix through a baddbmm
+and an unfused softmax (slow on CPU), and Megatron-Core has ALiBi only through
+TransformerEngine. This module has the same constructor and forward signature as
+``DotProductAttention`` and is swapped into the layer spec's ``core_attention`` slot
+(``use_sdpa_core_attention``), so the rest of Megatron (QKV projection, TP sharding, rotary
+embeddings, recompute) is unchanged. The softmax scale comes from ``softmax_scale`` (µP: 1/d_head).
+
+ALiBi (Press et al. 2022): score(i, j) += -slope_h * (i - j), slopes the geometric sequence of
+the paper for the total head count; a tensor-parallel rank takes the slopes of its own heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_patches._guard import PatchTargetMissing
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi head slopes; for a head count that is not a power of two, the paper's interleave."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
+    """Additive causal bias [heads, sq, sk]: -slope*(i-j) on and below the diagonal, -inf above."""
+    i = torch.arange(sk - sq, sk).view(sq, 1)
+    j = torch.arange(sk).view(1, sk)
+    distance = (i - j).to(torch.float32)
+    bias = -slopes.view(-1, 1, 1) * distance
+    return bias.masked_fill(j > i, float("-inf"))
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for ``DotProductAttention`` (causal self-attention), computed by SDPA."""
+
+    alibi = False  # SelfAttention instantiates the class itself: a subclass switches ALiBi on
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention: context parallelism needs TransformerEngine")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention: only causal attention, got {attn_mask_type}")
+        if pg_collection is not None and hasattr(pg_collection, "tp"):
+            tp_size, tp_rank = pg_collection.tp.size(), pg_collection.tp.rank()
+        else:
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        heads = config.num_attention_heads
+        if heads % tp_size:
+            raise ValueError(f"n_heads {heads} is not divisible by tensor parallel size {tp_size}")
+        self.heads_per_partition = heads // tp_size
+        self.groups_per_partition = config.num_query_groups // tp_size
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        )
+        self.dropout_p = (
+            attention_dropout if attention_dropout is not None else config.attention_dropout
+        )
+        self.use_alibi = self.alibi
+        if self.use_alibi:
+            lo = tp_rank * self.heads_per_partition
+            slopes = alibi_slopes(heads)[lo : lo + self.heads_per_partition]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self._bias_cache: dict[tuple, torch.Tensor] = {}
+
+    def _alibi(self, sq: int, sk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (sq, sk, dtype, device)
+        if key not in self._bias_cache:
+            bias = alibi_bias(self.alibi_slopes.float().cpu(), sq, sk)
+            self._bias_cache[key] = bias.to(device=device, dtype=dtype)
+        return self._bias_cache[key]
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention: packed sequences and attention_bias are unsupported")
+        if attention_mask is not None:
+            raise ValueError(
+                "SDPAttention: an explicit attention_mask is unsupported (causal only); build the "
+                "dataset with create_attention_mask=False"
+            )
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads_per_partition != self.groups_per_partition:  # grouped-query attention
+            repeat = self.heads_per_partition // self.groups_per_partition
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        dropout = self.dropout_p if self.training else 0.0
+        sq, sk = q.shape[2], k.shape[2]
+        mask = self._alibi(sq, sk, q.dtype, q.device) if self.use_alibi else None
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext()
+        with rng:
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=mask is None,
+                scale=self.softmax_scale,
+            )
+        # [b, heads, s, d] -> [s, b, heads*d]
+        b, h, s, d = context.shape
+        return context.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+class SDPAlibiAttention(SDPAttention):
+    """``SDPAttention`` with ALiBi position biases."""
+
+    alibi = True
+
+
+def use_sdpa_core_attention(layer_spec, alibi: bool = False):
+    """Return the GPT layer spec with its ``core_attention`` replaced by ``SDPAttention``."""
+    spec = copy.deepcopy(layer_spec)
+    attention = spec.submodules.self_attention
+    if not hasattr(attention.submodules, "core_attention"):
+        raise PatchTargetMissing(
+            "megatron_patches.attention: the GPT layer spec has no "
+            "submodules.self_attention.submodules.core_attention (written for 0.16.1)"
+        )
+    attention.submodules.core_attention = SDPAlibiAttention if alibi else SDPAttention
+    return spec

@@ -1,0 +1,120 @@
+"""The training entry point, for real: Megatron-Core on CPU through `python -m collapse.train`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_train_support import losses, run_training, tiny_spec
+
+from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
+from collapse.scaling import lr_at
+from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, Faults, steps_target
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_short_run_writes_the_declared_outputs(tmp_path: Path):
+    spec = tiny_spec(tmp_path, steps=12, d_model=64, eval_every=6)
+    proc = run_training(spec, tmp_path)
+    _ok(proc)
+    run_dir = Path(spec.run_dir)
+    curve = pd.read_parquet(run_dir / "curve.parquet")
+    valid = pd.read_parquet(run_dir / "valid.parquet")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert tuple(curve.columns) == CURVE_COLUMNS
+    assert tuple(valid.columns) == VALID_COLUMNS
+    assert curve["step"].tolist() == list(range(1, 13))
+    assert curve["tokens"].iloc[-1] == 12 * 8 * 32 == meta["tokens"]
+    assert curve["t_hat"].iloc[-1] == 1.0
+    assert not curve["restart"].any()
+    assert valid["step"].tolist() == [6, 12]
+    # it learns the toy language
+    assert curve["loss"].iloc[-3:].mean() < curve["loss"].iloc[:3].mean() - 0.3
+    # LR: the hidden group follows the shared D2Z schedule (update t uses lr_at(t-1))
+    expected = [
+        lr_at(t - 1, peak=spec.mup.lr_hidden, warmup_steps=1, total_steps=12) for t in range(1, 13)
+    ]
+    assert curve["lr"].tolist() == pytest.approx(expected, rel=1e-12)
+    assert meta["steps_done"] == 12 and meta["final_loss"] == curve["loss"].iloc[-1]
+    assert meta["restarts"] == [] and meta["world_size"] == 1
+    assert meta["params_counted"] > 0 and meta["versions"]["megatron-core"] == "0.16.1"
+    assert "tokens/s" in proc.stdout and "ETA" in proc.stdout
+
+
+def test_stop_fraction_keeps_the_full_schedule(tmp_path: Path):
+    spec = tiny_spec(tmp_path, steps=20, stop_fraction=0.3)
+    _ok(run_training(spec, tmp_path))
+    curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet")
+    assert len(curve) == steps_target(spec) == 6
+    assert curve["t_hat"].iloc[-1] == pytest.approx(0.3)
+    assert curve["lr"].iloc[-1] == pytest.approx(
+        lr_at(5, peak=spec.mup.lr_hidden, warmup_steps=2, total_steps=20)
+    )
+
+
+@pytest.mark.parametrize(
+    ("activation", "positions", "tied", "kind"),
+    [("swiglu", "alibi", False, "completep"), ("squared_relu", "learned", True, "sp")],
+)
+def test_architecture_variants_train(tmp_path: Path, activation, positions, tied, kind):
+    spec = tiny_spec(
+        tmp_path, steps=8, activation=activation, positions=positions, tied=tied, kind=kind
+    )
+    _ok(run_training(spec, tmp_path))
+    values = losses(spec)
+    assert len(values) == 8 and all(math.isfinite(v) for v in values)
+    assert values[-1] < values[0]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path):
+    from collapse.checkpoint import latest_complete, step_of
+    from collapse.runspec import FaultInjection
+
+    spec = tiny_spec(
+        tmp_path,
+        steps=10,
+        checkpoint_every=3,
+        fault=FaultInjection(kind="nan", at_fraction=0.5, magnitude=0.0),
+    )
+    assert Faults.of(spec).step == 5
+    proc = run_training(spec, tmp_path)
+    assert proc.returncode == EXIT_NONFINITE, proc.stderr[-2000:]
+    assert "loss is nan at step 5" in proc.stderr
+    assert not (Path(spec.run_dir) / "meta.json").exists()
+    assert step_of(latest_complete(spec.checkpoint_dir)) == 3
+
+
+def test_world_size_mismatch_names_the_fix(tmp_path: Path):
+    spec = tiny_spec(tmp_path, steps=4, tp=2)
+    proc = run_training(spec, tmp_path)
+    assert proc.returncode == EXIT_BAD_INPUT
+    assert "torchrun --nproc_per_node=2" in proc.stderr
+
+
+def test_missing_dataset_is_a_clear_error(tmp_path: Path):
+    spec = tiny_spec(tmp_path, steps=4, dataset_prefix=str(tmp_path / "nowhere" / "train"))
+    proc = run_training(spec, tmp_path)
+    assert proc.returncode == EXIT_BAD_INPUT
+    assert "nowhere" in proc.stderr
+
+
+def test_faults_resolve_to_steps(tmp_path: Path):
+    from collapse.runspec import FaultInjection
+
+    def faults(kind, magnitude=2.0):
+        fault = FaultInjection(kind=kind, at_fraction=0.5, magnitude=magnitude)
+        return Faults.of(tiny_spec(tmp_path, steps=200, fault=fault))
+
+    off = Faults.of(tiny_spec(tmp_path, steps=200))
+    assert off.lr_factor(100) == 1.0 and off.data_step(150) == 150 and off.loss_bias(150) == 0
+    assert faults("lr_spike").lr_factor(100) == 2.0 and faults("lr_spike").lr_factor(102) == 1.0
+    assert faults("loss_bias", 0.1).loss_bias(99) == 0 and faults("loss_bias", 0.1).loss_bias(100)
+    assert faults("data_repeat", 0.0).data_step(100) == 1
+    assert faults("data_repeat", 0.25).data_step(120) == 70
+    assert faults("nan").poisons_loss(100) and not faults("nan").poisons_loss(101)

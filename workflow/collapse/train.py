@@ -1,0 +1,764 @@
+"""Train one run of a family with Megatron-Core, from its RunSpec alone.
+
+One process (CPU, gloo; or one GPU):
+    python -m collapse.train --spec results/<family>/plan/runs/<run>.json
+Several processes on one node (world size = tp * pp * dp of the spec):
+    torchrun --standalone --nproc_per_node=N -m collapse.train --spec SPEC.json
+Several nodes (one torchrun per node, e.g. under srun):
+    torchrun --nnodes=$NODES --nproc_per_node=$GPUS --rdzv_backend=c10d \
+        --rdzv_endpoint=$HEAD:29500 -m collapse.train --spec SPEC.json
+
+The job reads the spec and the datasets it names, resumes from the newest complete checkpoint in
+``spec.checkpoint_dir`` if there is one, and writes its declared outputs (``curve.parquet``,
+``valid.parquet``, ``meta.json`` in ``spec.run_dir``) only when it has finished, atomically,
+``meta.json`` last. A job stopped early leaves no outputs that look finished.
+
+Exit codes: 0 finished; 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (rerun to
+resume); 3 the online collapse monitor raised an alarm (checkpoint saved); 4 the loss became
+NaN/inf (the last good checkpoint is kept); 2 bad spec or data.
+
+The batch of step t (1-based) is the global samples [(t-1)*B, t*B) of Megatron's GPTDataset
+(shuffled by the spec's seed, as many epochs as needed); data-parallel rank r takes its slice,
+cut into micro-batches. Because it depends only on t, a resumed run sees exactly the data of an
+uninterrupted one. The LR follows OptimizerParamScheduler(linear warmup, linear decay to 0 over
+the *full* ``optim.steps``), stepped after each update as in Megatron (update t uses
+``collapse.scaling.lr_at(t-1)``), also when ``optim.stop_fraction`` < 1 ends the run early.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from collapse import checkpoint
+from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
+from collapse.runspec import RunSpec
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_MONITOR_ALARM = 3
+EXIT_NONFINITE = 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again", the job resumes from its checkpoint
+
+CURVE_FILE, VALID_FILE, META_FILE = "curve.parquet", "valid.parquet", "meta.json"
+MONITOR_FILE = "monitor.jsonl"
+LR_SPIKE_STEPS_FRACTION = 0.01  # an lr_spike fault lasts 1 % of the schedule
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot continue; the message says why and what to do."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ------------------------------------------------------------------------------ environment
+def spec_hash(spec: RunSpec) -> str:
+    return hashlib.sha256(spec.to_json().encode()).hexdigest()[:16]
+
+
+def set_threads(spec: RunSpec) -> int:
+    """CPU threads per process: OMP_NUM_THREADS if set, else the job's threads per local rank."""
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    env = os.environ.get("OMP_NUM_THREADS")
+    threads = int(env) if env else max(1, spec.resources.threads // max(1, local_procs))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(spec: RunSpec) -> None:
+    """Process group (nccl on GPU, gloo on CPU) and Megatron's model-parallel groups."""
+    if "RANK" not in os.environ:  # plain `python -m collapse.train`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    par = spec.parallel
+    world = int(os.environ["WORLD_SIZE"])
+    if world != par.tp * par.pp * par.dp:
+        raise TrainingError(
+            f"world size {world} != parallel.tp*pp*dp = {par.tp}*{par.pp}*{par.dp}: launch with "
+            f"torchrun --nproc_per_node={par.tp * par.pp * par.dp} (per node: "
+            f"parallel.procs_per_node={par.procs_per_node})",
+            EXIT_BAD_INPUT,
+        )
+    if par.micro_batch_seqs * par.grad_accum * par.dp != spec.optim.batch_seqs:
+        raise TrainingError(
+            f"parallel.micro_batch_seqs*grad_accum*dp = {par.micro_batch_seqs}*{par.grad_accum}"
+            f"*{par.dp} != optim.batch_seqs={spec.optim.batch_seqs}: fix the plan",
+            EXIT_BAD_INPUT,
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend=backend)
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(spec.optim.seed)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def log(message: str) -> None:
+    if rank() == 0:
+        print(message, flush=True)
+
+
+# ------------------------------------------------------------------------------ data
+class _Tokenizer:
+    """What GPTDataset asks of a tokenizer (the data stage fixed EOD = 0)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.eod = 0
+        self.pad = -1  # never a real id: no sample is padded with a real token
+        self.unique_identifiers = {"class": "collapse.train._Tokenizer", "vocab": vocab_size}
+
+
+def verify_datasets(spec: RunSpec) -> None:
+    try:
+        from collapse.data import verify_dataset
+    except ImportError:  # data stage not installed: fall back to a presence check
+        for prefix in (spec.dataset_prefix, spec.valid_prefix):
+            for suffix in (".bin", ".idx"):
+                if not Path(prefix + suffix).is_file():
+                    raise TrainingError(
+                        f"{prefix + suffix} is missing: run the data rule first",
+                        EXIT_BAD_INPUT,
+                    ) from None
+        return
+    for prefix in (spec.dataset_prefix, spec.valid_prefix):
+        try:
+            verify_dataset(prefix)
+        except Exception as err:  # the data stage's own error names the file and the fix
+            raise TrainingError(str(err), EXIT_BAD_INPUT) from err
+
+
+def build_datasets(spec: RunSpec):
+    """GPTDatasets for the full-length schedule (train) and the held-out batches (valid)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    batch = spec.optim.batch_seqs
+    cache = Path(spec.checkpoint_dir) / "dataset_index"
+    config = GPTDatasetConfig(
+        random_seed=spec.optim.seed,
+        sequence_length=spec.model.seq_len,
+        blend_per_split=[([spec.dataset_prefix], None), ([spec.valid_prefix], None), None],
+        path_to_cache=str(cache),
+        tokenizer=_Tokenizer(spec.model.vocab_size),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    sizes = [spec.optim.steps * batch, max(1, spec.logging.eval_batches) * batch, None]
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return train, valid
+
+
+def train_tokens_in_dataset(dataset) -> int:
+    """Tokens in the training split (the denominator of data_fraction, in epochs)."""
+    return int(dataset.dataset.sequence_lengths.sum())
+
+
+def micro_batches(dataset, first_sample: int, spec: RunSpec) -> list[dict]:
+    """This data-parallel rank's micro-batches of the global batch starting at first_sample."""
+    from megatron.core import parallel_state
+
+    par = spec.parallel
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = par.micro_batch_seqs * par.grad_accum
+    start = first_sample + dp_rank * per_rank
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    out = []
+    for m in range(par.grad_accum):
+        samples = [
+            dataset[start + m * par.micro_batch_seqs + i] for i in range(par.micro_batch_seqs)
+        ]
+        batch = {
+            key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        }
+        out.append(batch)
+    return out
+
+
+# ------------------------------------------------------------------------------ model & optim
+@dataclass
+class Stack:
+    model: object  # the DDP-wrapped model chunk
+    optimizer: object
+    scheduler: object
+    forward_backward: object
+    params_counted: int
+
+
+def build_stack(spec: RunSpec) -> Stack:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from collapse.model import build_gpt_model, count_parameters, lr_by_group, params_dtype
+    from megatron_patches.mup import lr_overrides
+
+    on_gpu = torch.cuda.is_available()
+    model = build_gpt_model(
+        spec,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    counted = torch.tensor([count_parameters(model, spec.model.tied_embeddings)])
+    if parallel_state.get_data_parallel_rank() != 0:
+        counted.zero_()
+    counted = counted.to(torch.cuda.current_device()) if on_gpu else counted
+    torch.distributed.all_reduce(counted)
+    config = model.config
+    if on_gpu:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    use_distributed_optimizer = spec.parallel.dp > 1
+    model = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        module=model,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    mup, optim = spec.mup, spec.optim
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",  # torch AdamW: decoupled weight decay
+            lr=mup.lr_hidden,
+            min_lr=0.0,
+            weight_decay=optim.weight_decay,
+            adam_beta1=mup.adam_beta1,
+            adam_beta2=mup.adam_beta2,
+            adam_eps=mup.adam_eps,
+            clip_grad=optim.grad_clip,
+            bf16=on_gpu,
+            params_dtype=params_dtype(on_gpu),
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
+        [model],
+        config_overrides=lr_overrides(lr_by_group(spec), spec.model.tied_embeddings),
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=mup.lr_hidden,
+        min_lr=0.0,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=optim.steps,
+        lr_decay_style="linear",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=optim.steps,
+        wd_incr_style="constant",
+    )
+    return Stack(model, optimizer, scheduler, get_forward_backward_func(), int(counted.item()))
+
+
+# ------------------------------------------------------------------------------ faults
+@dataclass(frozen=True)
+class Faults:
+    """The spec's FaultInjection, resolved to steps (off unless spec.fault.kind != none)."""
+
+    kind: str
+    step: int  # first faulty step (1-based); 0 when off
+    magnitude: float
+    total_steps: int
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> Faults:
+        kind = spec.fault.kind
+        step = 0 if kind == "none" else max(1, round(spec.fault.at_fraction * spec.optim.steps))
+        return cls(kind, step, spec.fault.magnitude, spec.optim.steps)
+
+    def loss_bias(self, step: int) -> float:
+        """loss_bias: the reported loss is shifted by magnitude (a faulty loss kernel)."""
+        return self.magnitude if self.kind == "loss_bias" and step >= self.step else 0.0
+
+    def lr_factor(self, step: int) -> float:
+        """lr_spike: all LRs x magnitude for 1 % of the schedule from the fault step."""
+        length = max(1, round(LR_SPIKE_STEPS_FRACTION * self.total_steps))
+        active = self.kind == "lr_spike" and self.step <= step < self.step + length
+        return self.magnitude if active else 1.0
+
+    def data_step(self, step: int) -> int:
+        """data_repeat: from the fault step the data rewinds by magnitude x T steps (to the
+        start of training when magnitude is 0), so already-seen batches are trained on again."""
+        if self.kind != "data_repeat" or step < self.step:
+            return step
+        rewind = round(self.magnitude * self.total_steps) if self.magnitude > 0 else self.step - 1
+        return max(1, step - rewind)
+
+    def poisons_loss(self, step: int) -> bool:
+        """nan: the training loss of the fault step is NaN (gradients too)."""
+        return self.kind == "nan" and step == self.step
+
+
+# ------------------------------------------------------------------------------ steps
+def _loss_func(loss_mask: torch.Tensor, poison: bool):
+    def loss_func(per_token_loss: torch.Tensor):
+        mask = loss_mask.float().reshape(-1)
+        loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+        if poison:
+            loss = loss * float("nan")
+        # the pipeline schedule divides the returned loss in place: report a clone
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return loss_func
+
+
+def _forward_step_factory(poison: bool):
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, _loss_func(batch["loss_mask"], poison)
+
+    return forward_step
+
+
+def _reduce_loss(losses: list[dict], extra: list[float]) -> list[float]:
+    """Mean micro-batch loss over data-parallel ranks, plus world sums of ``extra`` flags."""
+    from megatron.core import parallel_state
+
+    reporting = parallel_state.is_pipeline_last_stage() and (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    local = sum(float(x["lm loss"]) for x in losses) / max(1, len(losses)) if reporting else 0.0
+    values = torch.tensor([local, 1.0 if reporting else 0.0, *extra], dtype=torch.float64)
+    if torch.cuda.is_available():
+        values = values.cuda()
+    torch.distributed.all_reduce(values)
+    values = values.tolist()
+    return [values[0] / max(1.0, values[1]), *values[2:]]
+
+
+def train_step(stack: Stack, batches: list[dict], spec: RunSpec, poison: bool, stop: float):
+    """One optimizer update; returns (loss, grad_norm, stop_requested_anywhere)."""
+    stack.model.zero_grad_buffer()
+    stack.optimizer.zero_grad()
+    losses = stack.forward_backward(
+        forward_step_func=_forward_step_factory(poison),
+        data_iterator=iter(batches),
+        model=[stack.model],
+        num_microbatches=spec.parallel.grad_accum,
+        seq_length=spec.model.seq_len,
+        micro_batch_size=spec.parallel.micro_batch_seqs,
+        forward_only=False,
+    )
+    _, grad_norm, _ = stack.optimizer.step()
+    stack.scheduler.step(1)
+    loss, stop_any = _reduce_loss(losses, [stop])
+    return loss, float(grad_norm if grad_norm is not None else float("nan")), stop_any > 0
+
+
+@torch.no_grad()
+def evaluate(stack: Stack, valid, spec: RunSpec) -> float:
+    """Mean loss on the first ``logging.eval_batches`` global batches of the held-out split."""
+    stack.model.eval()
+    total = 0.0
+    batches = max(1, spec.logging.eval_batches)
+    for b in range(batches):
+        micro = micro_batches(valid, b * spec.optim.batch_seqs, spec)
+        losses = stack.forward_backward(
+            forward_step_func=_forward_step_factory(False),
+            data_iterator=iter(micro),
+            model=[stack.model],
+            num_microbatches=spec.parallel.grad_accum,
+            seq_length=spec.model.seq_len,
+            micro_batch_size=spec.parallel.micro_batch_seqs,
+            forward_only=True,
+        )
+        total += _reduce_loss(losses, [])[0]
+    stack.model.train()
+    return total / batches
+
+
+# ------------------------------------------------------------------------------ state
+@dataclass
+class RunState:
+    """What the outputs are made of; saved with every checkpoint (rank 0's copy counts)."""
+
+    step: int = 0
+    curve: list[dict] = field(default_factory=list)
+    valid: list[dict] = field(default_factory=list)
+    restarts: list[dict] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    train_time_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunState:
+        return cls(**data)
+
+
+def sharded_state(stack: Stack, is_loading: bool) -> dict:
+    model_state = stack.model.module.sharded_state_dict()
+    return {
+        "model": model_state,
+        "optimizer": stack.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": stack.scheduler.state_dict(),
+    }
+
+
+def save_checkpoint(stack: Stack, spec: RunSpec, state: RunState) -> Path:
+    path = checkpoint.save(
+        spec.checkpoint_dir,
+        state.step,
+        sharded_state(stack, is_loading=False),
+        {"spec_hash": spec_hash(spec), **state.to_dict()},
+        keep=spec.logging.keep_checkpoints,
+    )
+    log(f"checkpoint saved: {path}")
+    return path
+
+
+def resume(stack: Stack, spec: RunSpec) -> RunState:
+    directory = checkpoint.find_resume_point(spec.checkpoint_dir)
+    if directory is None:
+        return RunState()
+    loaded, train_state = checkpoint.load(directory, sharded_state(stack, is_loading=True))
+    saved_hash = train_state.pop("spec_hash", None)
+    if saved_hash != spec_hash(spec):
+        log(
+            f"warning: checkpoint {directory} was written for another version of the spec "
+            f"({saved_hash} != {spec_hash(spec)}); resuming anyway. Delete "
+            f"{spec.checkpoint_dir} to start afresh."
+        )
+    stack.model.module.load_state_dict(loaded["model"])
+    stack.optimizer.load_state_dict(loaded["optimizer"])
+    stack.scheduler.load_state_dict(loaded["scheduler"])
+    state = RunState.from_dict(train_state)
+    state.restarts.append({"step": state.step, "time_unix": time.time()})
+    log(f"resumed from {directory} at step {state.step}")
+    return state
+
+
+# ------------------------------------------------------------------------------ outputs
+def _atomic_write_parquet(rows: list[dict], columns: tuple, path: Path) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame(rows, columns=list(columns))
+    tmp = path.with_name(path.name + ".tmp")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(path)
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("megatron-core", "collapse"):
+        try:
+            out[package] = version(package)
+        except Exception:
+            out[package] = "unknown"
+    return out
+
+
+def write_outputs(spec: RunSpec, state: RunState, stack: Stack, steps_target: int) -> None:
+    """curve.parquet, valid.parquet, then meta.json (its presence marks a finished run)."""
+    run_dir = Path(spec.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write_parquet(state.curve, CURVE_COLUMNS, run_dir / CURVE_FILE)
+    _atomic_write_parquet(state.valid, VALID_COLUMNS, run_dir / VALID_FILE)
+    last = state.curve[-1] if state.curve else {}
+    tokens = int(last.get("tokens", 0))
+    par = spec.parallel
+    meta = {
+        "run": spec.run,
+        "family": spec.family,
+        "size": spec.size,
+        "spec_hash": spec_hash(spec),
+        "params": spec.params,
+        "params_counted": stack.params_counted,
+        "tokens": tokens,
+        "tokens_planned": spec.optim.tokens,
+        "steps_done": state.step,
+        "steps_target": steps_target,
+        "steps_total": spec.optim.steps,
+        "stop_fraction": spec.optim.stop_fraction,
+        "final_loss": last.get("loss"),
+        "final_valid_loss": state.valid[-1]["valid_loss"] if state.valid else None,
+        "wall_time_s": state.wall_time_s,
+        "train_time_s": state.train_time_s,
+        "tokens_per_s": tokens / state.train_time_s if state.train_time_s > 0 else None,
+        "restarts": state.restarts,
+        "world_size": torch.distributed.get_world_size(),
+        "tp": par.tp,
+        "pp": par.pp,
+        "dp": par.dp,
+        "micro_batch_seqs": par.micro_batch_seqs,
+        "grad_accum": par.grad_accum,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "dtype": "bf16" if torch.cuda.is_available() else "fp32",
+        "threads": torch.get_num_threads(),
+        "host": socket.gethostname(),
+        "fault": spec.fault.model_dump(),
+        "versions": versions(),
+    }
+    tmp = run_dir / (META_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    tmp.replace(run_dir / META_FILE)
+
+
+# ------------------------------------------------------------------------------ monitor
+def make_monitor(spec: RunSpec):
+    if not spec.monitor.enabled:
+        return None
+    try:
+        from collapse.monitor import OnlineMonitor
+    except ImportError as err:
+        raise TrainingError(
+            f"monitor.enabled is true but collapse.monitor cannot be imported ({err}); "
+            "install the monitor stage or set monitor.enabled=false in the plan",
+            EXIT_BAD_INPUT,
+        ) from err
+    return OnlineMonitor(spec, Path(spec.run_dir) / MONITOR_FILE)
+
+
+# ------------------------------------------------------------------------------ signals
+class StopFlag:
+    """SIGTERM/SIGUSR1 (Slurm preemption) ask the loop to finish the step, save and exit."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    @property
+    def requested(self) -> float:
+        return 1.0 if self.signal is not None else 0.0
+
+
+def steps_target(spec: RunSpec) -> int:
+    """Steps this job trains: the whole schedule, or its stop_fraction (sweeps)."""
+    fraction = spec.optim.stop_fraction
+    if not 0 < fraction <= 1:
+        raise TrainingError(f"optim.stop_fraction={fraction} must be in (0, 1]", EXIT_BAD_INPUT)
+    return max(1, min(spec.optim.steps, math.ceil(fraction * spec.optim.steps - 1e-9)))
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+# ------------------------------------------------------------------------------ main loop
+def run(spec: RunSpec) -> int:
+    """Train (or resume) one run; return the exit code."""
+    import megatron_patches
+
+    started = time.time()
+    threads = set_threads(spec)
+    patches = megatron_patches.apply()
+    stop = StopFlag()
+    verify_datasets(spec)
+    init_distributed(spec)
+    log(
+        f"run {spec.run}: params {spec.params:,} tokens {spec.optim.tokens:,} steps "
+        f"{spec.optim.steps} batch {spec.optim.batch_seqs}x{spec.model.seq_len} "
+        f"(micro {spec.parallel.micro_batch_seqs} x accum {spec.parallel.grad_accum} x dp "
+        f"{spec.parallel.dp}) tp {spec.parallel.tp} pp {spec.parallel.pp}; threads {threads}; "
+        f"patches {', '.join(patches)}"
+    )
+    train_set, valid_set = build_datasets(spec)
+    dataset_tokens = train_tokens_in_dataset(train_set)
+    stack = build_stack(spec)
+    state = resume(stack, spec)
+    monitor = make_monitor(spec)
+    faults = Faults.of(spec)
+    target = steps_target(spec)
+    batch_tokens = spec.optim.batch_seqs * spec.model.seq_len
+    total = spec.optim.steps
+    first_step = state.step + 1
+    session_start, session_tokens = time.time(), 0
+    log(f"training steps {first_step}..{target} of {total} (data: {dataset_tokens:,} tokens)")
+
+    wall_before = state.wall_time_s
+
+    def update_wall_time() -> None:
+        state.wall_time_s = wall_before + time.time() - started
+
+    for step in range(first_step, target + 1):
+        t0 = time.time()
+        factor = faults.lr_factor(step)
+        if factor != 1.0:
+            for group in stack.optimizer.param_groups:
+                group["lr"] *= factor
+        data_step = faults.data_step(step)
+        batches = micro_batches(train_set, (data_step - 1) * spec.optim.batch_seqs, spec)
+        loss, grad_norm, stop_any = train_step(
+            stack, batches, spec, faults.poisons_loss(step), stop.requested
+        )
+        lr_used = scheduler_lr_at(stack.scheduler, step - 1, spec.mup.lr_hidden) * factor
+        loss += faults.loss_bias(step)
+        seconds = time.time() - t0
+        if not math.isfinite(loss):
+            update_wall_time()
+            raise TrainingError(
+                f"loss is {loss} at step {step} (t_hat {step / total:.4f}, lr {lr_used:.3e}, "
+                f"grad norm {grad_norm:.3e}): stopping without saving. The last good "
+                f"checkpoint in {spec.checkpoint_dir} is kept; lower the LR or fix the data, "
+                "then rerun to resume from it.",
+                EXIT_NONFINITE,
+            )
+        state.step = step
+        state.train_time_s += seconds
+        session_tokens += batch_tokens
+        tokens = step * batch_tokens
+        state.curve.append(
+            {
+                "run": spec.run,
+                "step": step,
+                "tokens": tokens,
+                "t_hat": step / total,
+                "loss": loss,
+                "lr": lr_used,
+                "grad_norm": grad_norm,
+                "tokens_per_s": batch_tokens / seconds if seconds > 0 else float("nan"),
+                "micro_batch_seqs": spec.parallel.micro_batch_seqs,
+                "data_fraction": data_step * batch_tokens / dataset_tokens,
+                "restart": step == first_step and bool(state.restarts),
+            }
+        )
+        if step % max(1, spec.logging.log_every_steps) == 0 or step in (first_step, target):
+            rate = session_tokens / max(1e-9, time.time() - session_start)
+            eta = (target - step) * batch_tokens / rate if rate > 0 else 0.0
+            log(
+                f"step {step}/{total} tokens {tokens:,} t_hat {step / total:.4f} loss {loss:.4f} "
+                f"lr {lr_used:.3e} grad_norm {grad_norm:.3f} tokens/s {rate:,.0f} "
+                f"data {state.curve[-1]['data_fraction']:.3f} ep ETA {_fmt_eta(eta)}"
+            )
+        every_eval = spec.logging.eval_every_steps
+        if (every_eval > 0 and step % every_eval == 0) or step == target:
+            valid_loss = evaluate(stack, valid_set, spec)
+            state.valid.append(
+                {
+                    "run": spec.run,
+                    "step": step,
+                    "tokens": tokens,
+                    "t_hat": step / total,
+                    "valid_loss": valid_loss,
+                }
+            )
+            log(f"step {step} valid_loss {valid_loss:.4f}")
+        if monitor is not None:
+            monitor.observe(step, step / total, loss)
+            every = spec.monitor.every_steps
+            if every > 0 and step % every == 0:
+                verdict = monitor.check()
+                if verdict.alarm:
+                    log(f"collapse monitor alarm at step {step}: {verdict.message}")
+                    if spec.monitor.stop_on_alarm:
+                        update_wall_time()
+                        save_checkpoint(stack, spec, state)
+                        raise TrainingError(
+                            f"collapse monitor alarm at step {step}: {verdict.message}",
+                            EXIT_MONITOR_ALARM,
+                        )
+        if stop_any:
+            update_wall_time()
+            save_checkpoint(stack, spec, state)
+            log(f"stop signal received: saved step {step}; rerun to resume")
+            return EXIT_PREEMPTED
+        every_ckpt = spec.logging.checkpoint_every_steps
+        if every_ckpt > 0 and step % every_ckpt == 0 and step != target:
+            update_wall_time()
+            save_checkpoint(stack, spec, state)
+
+    update_wall_time()
+    if not checkpoint_exists_for(spec, state.step):
+        save_checkpoint(stack, spec, state)
+    if rank() == 0:
+        write_outputs(spec, state, stack, target)
+    log(
+        f"done: {state.step} steps, final loss {state.curve[-1]['loss']:.4f}, "
+        f"{state.train_time_s:.1f} s training"
+    )
+    return EXIT_OK
+
+
+def scheduler_lr_at(scheduler, num_steps: int, max_lr: float) -> float:
+    """The LR the scheduler gives a group of peak ``max_lr`` after ``num_steps`` steps."""
+    saved = scheduler.num_steps
+    scheduler.num_steps = num_steps
+    try:
+        return scheduler.get_lr({"max_lr": max_lr, "min_lr": 0.0})
+    finally:
+        scheduler.num_steps = saved
+
+
+def checkpoint_exists_for(spec: RunSpec, step: int) -> bool:
+    """True when a complete checkpoint of ``step`` exists (agreed across ranks)."""
+    found = checkpoint.find_resume_point(spec.checkpoint_dir)
+    return found is not None and checkpoint.step_of(found) == step
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Megatron-Core warns once per module that TransformerEngine/Apex are absent (expected here)
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+    parser = argparse.ArgumentParser(prog="python -m collapse.train", description=__doc__)
+    parser.add_argument("--spec", required=True, help="the run's RunSpec JSON")
+    args = parser.parse_args(argv)
+    try:
+        spec = RunSpec.load(args.spec)
+    except Exception as err:
+        print(f"error: cannot read the run spec {args.spec}: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        code = run(spec)
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        code = err.exit_code
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":  # dist_checkpointing starts a spawn manager that re-imports __main__
+    sys.exit(main())
