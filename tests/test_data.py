@@ -108,14 +108,18 @@ def test_documents_decode_back_exactly_and_splits_are_disjoint(built):
     assert valid and not set(train) & set(valid)
 
 
-def test_literal_eod_text_is_not_the_eod_id(built):
+def test_fast_encoder_matches_tokenizers_and_never_emits_eod(built):
     _, out = built
-    from collapse.tokenizer import encode_documents
+    from collapse.tokenizer import batch_encoder, encode_documents
 
+    assert read_summary(out).encoder == "tiktoken"
     tokenizer = load_tokenizer(out / TOKENIZER_NAME)
-    (ids,) = encode_documents(tokenizer, ["a <|endoftext|> b"], np.uint16)
-    assert ids[-1] == 0 and 0 not in ids[:-1]
-    assert tokenizer.decode(ids[:-1].tolist()) == "a <|endoftext|> b"
+    texts = ["a <|endoftext|> b", "tabs\tand  spaces \n\n  x", "naïve café — 1999's 'quotes'!"]
+    name, encode = batch_encoder(tokenizer, texts)
+    assert name == "tiktoken" and encode(texts) == [e.ids for e in tokenizer.encode_batch(texts)]
+    for text, ids in zip(texts, encode_documents(encode, texts, np.uint16), strict=True):
+        assert ids[-1] == 0 and 0 not in ids[:-1]
+        assert tokenizer.decode(ids[:-1].tolist()) == text
 
 
 GPT_DATASET_SCRIPT = textwrap.dedent(
@@ -370,3 +374,17 @@ def test_cli_estimate_and_module_entry_point(tmp_path):
     expected = estimate_corpus_tokens(load_data_config(config))
     assert int(result.stdout) == expected
     assert 3e5 < expected < 5e5
+
+
+@pytest.mark.slow
+def test_full_default_build(tmp_path):
+    """The stage as the tiny family runs it: both packages whole, vocab 4096 (about 20 s)."""
+    summary = build_dataset(DataConfig(), tmp_path)
+    total = summary.train.bytes + summary.valid.bytes
+    assert 9.5e6 < total < 10.5e6 and summary.capped_dropped == 0
+    assert summary.encoder == "tiktoken" and summary.vocab_size_trained == 4096
+    assert abs(summary.bytes_per_token - 3.14) < 0.05  # the figure estimate_corpus_tokens uses
+    assert abs(estimate_corpus_tokens(DataConfig()) / summary.train.tokens - 1) < 0.05
+    assert estimate_corpus_tokens(DataConfig(), tmp_path) == summary.train.tokens
+    for prefix in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME):
+        verify_dataset(tmp_path / prefix)

@@ -125,6 +125,7 @@ class DataSummary(BaseModel):
     sources: list[SourceSummary]
     versions: dict[str, str]
     build_s: float
+    encoder: str  # tiktoken (conversion checked against tokenizers) or tokenizers
     encode_tokens_per_s: float
 
 
@@ -146,7 +147,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _write_indexed(prefix: Path, tokenizer, docs: list[str], dtype) -> tuple[int, float]:
+def _write_indexed(prefix: Path, encode, docs: list[str], dtype) -> tuple[int, float]:
     """One Megatron item per document; returns (tokens, seconds spent encoding and writing)."""
     import torch
 
@@ -159,7 +160,7 @@ def _write_indexed(prefix: Path, tokenizer, docs: list[str], dtype) -> tuple[int
     start = time.perf_counter()
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     tokens, last_report = 0, start
-    for count, ids in enumerate(encode_documents(tokenizer, docs, dtype), 1):
+    for count, ids in enumerate(encode_documents(encode, docs, dtype), 1):
         builder.add_item(torch.from_numpy(ids))
         builder.end_document()
         tokens += len(ids)
@@ -208,15 +209,17 @@ def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
         if trained < cfg.vocab_size:
             _log(f"warning: the corpus gave only {trained} tokens; ids {trained}+ stay unused")
 
-        from collapse.tokenizer import token_dtype
+        from collapse.tokenizer import batch_encoder, token_dtype
 
         dtype = token_dtype(cfg.vocab_size)
+        encoder, encode = batch_encoder(tokenizer, corpus.train[:256])
+        _log(f"encoding with {encoder}")
         splits, encode_tokens, encode_s = {}, 0, 0.0
         for split, name, docs, nbytes in (
             ("train", TRAIN_PREFIX_NAME, corpus.train, corpus.train_bytes),
             ("valid", VALID_PREFIX_NAME, corpus.valid, corpus.valid_bytes),
         ):
-            tokens, seconds = _write_indexed(staging / name, tokenizer, docs, dtype)
+            tokens, seconds = _write_indexed(staging / name, encode, docs, dtype)
             encode_tokens, encode_s = encode_tokens + tokens, encode_s + seconds
             splits[split] = SplitSummary(
                 prefix=name,
@@ -242,6 +245,7 @@ def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
             sources=[SourceSummary(**vars(s)) for s in corpus.sources],
             versions=_versions(),
             build_s=round(time.perf_counter() - start, 3),
+            encoder=encoder,
             encode_tokens_per_s=round(encode_tokens / max(encode_s, 1e-9), 1),
         )
         (staging / META_NAME).write_text(

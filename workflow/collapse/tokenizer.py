@@ -7,7 +7,8 @@ it is not. Byte-level means every UTF-8 string encodes and decodes back exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +62,80 @@ def token_dtype(vocab_size: int) -> type[np.integer]:
     return np.uint16 if vocab_size < 65536 else np.int32
 
 
-def encode_documents(
-    tokenizer: Tokenizer, docs: list[str], dtype: type[np.integer], batch_docs: int = 512
-) -> Iterator[np.ndarray]:
-    """Token ids of each document with EOD appended; ``encode_batch`` uses all cores.
+# The regex of tokenizers' ByteLevel pre-tokenizer (use_regex=True), the GPT-2 split.
+_BYTE_LEVEL_SPLIT = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 
-    A literal "<|endoftext|>" inside a document is encoded as text, never as the EOD id.
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (how byte-level BPE stores tokens)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def fast_encoder(tokenizer: Tokenizer):
+    """The same BPE as a ``tiktoken.Encoding`` (about 10x faster here), or None if not convertible.
+
+    Byte-level BPE ids trained by ``tokenizers`` are in merge order, so an id is a valid tiktoken
+    merge rank. Only plain byte-level BPE (no normalizer) converts; ``encode_documents`` also
+    checks that both give identical ids before relying on it.
+    """
+    import tiktoken
+
+    config = json.loads(tokenizer.to_str())
+    if config.get("normalizer") or config["model"].get("type") != "BPE":
+        return None
+    to_byte = {char: byte for byte, char in _byte_to_unicode().items()}
+    specials = {t["content"] for t in config.get("added_tokens", [])}
+    try:
+        ranks = {
+            bytes(to_byte[char] for char in token): rank
+            for token, rank in config["model"]["vocab"].items()
+            if token not in specials
+        }
+    except KeyError:  # a token outside the byte alphabet: not byte-level
+        return None
+    return tiktoken.Encoding(
+        name="collapse_bpe", pat_str=_BYTE_LEVEL_SPLIT, mergeable_ranks=ranks, special_tokens={}
+    )
+
+
+def batch_encoder(
+    tokenizer: Tokenizer, sample: list[str]
+) -> tuple[str, Callable[[list[str]], list[list[int]]]]:
+    """The fastest encoder that gives ``tokenizer``'s ids on ``sample``: (name, encode a batch).
+
+    A literal "<|endoftext|>" inside a document is encoded as text by both, never as the EOD id.
     """
     tokenizer.encode_special_tokens = True
+
+    def slow(batch: list[str]) -> list[list[int]]:
+        return [e.ids for e in tokenizer.encode_batch(batch)]
+
+    encoder = fast_encoder(tokenizer)
+    if encoder is not None and encoder.encode_ordinary_batch(sample) == slow(sample):
+        return "tiktoken", encoder.encode_ordinary_batch
+    return "tokenizers", slow
+
+
+def encode_documents(
+    encode: Callable[[list[str]], list[list[int]]],
+    docs: list[str],
+    dtype: type[np.integer],
+    batch_docs: int = 512,
+) -> Iterator[np.ndarray]:
+    """Token ids of each document with EOD appended, ``batch_docs`` documents per call."""
     for start in range(0, len(docs), batch_docs):
-        for encoding in tokenizer.encode_batch(docs[start : start + batch_docs]):
-            ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
-            ids[:-1] = encoding.ids
+        for token_ids in encode(docs[start : start + batch_docs]):
+            ids = np.empty(len(token_ids) + 1, dtype=dtype)
+            ids[:-1] = token_ids
             ids[-1] = EOD_ID
             yield ids
