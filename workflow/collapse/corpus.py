@@ -359,6 +359,13 @@ def build_corpus(
     The valid split takes whole documents from the front of the shuffled corpus until it holds
     ``valid_fraction`` of the bytes (at least one document), so both splits are reproducible.
     """
+    for index, source in enumerate(sources):
+        if isinstance(source, HuggingFaceSource) and max_corpus_bytes is None:
+            raise SourceError(
+                f"data.sources[{index}] ({source.label}) streams a dataset of unbounded size, "
+                "and the corpus is held in memory. Fix: set data.max_corpus_bytes (a few GB at "
+                "most; about 3.1 bytes per token at vocab 4096)"
+            )
     seen: set[bytes] = set()
     docs: list[str] = []
     owner: list[int] = []

@@ -176,8 +176,12 @@ def _write_indexed(prefix: Path, encode, docs: list[str], dtype) -> tuple[int, f
 
 
 def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
-    """Build tokenizer.json, the train/valid indexed datasets and meta.json in ``out_dir``."""
-    from collapse.tokenizer import train_tokenizer
+    """Build tokenizer.json, the train/valid indexed datasets and meta.json in ``out_dir``.
+
+    The corpus is held in memory (about three times its bytes), which suits corpora up to a few
+    GB; Hugging Face sources therefore need ``max_corpus_bytes``.
+    """
+    from collapse.tokenizer import batch_encoder, token_dtype, train_tokenizer
 
     start = time.perf_counter()
     out_dir = Path(out_dir)
@@ -208,8 +212,6 @@ def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
         _log(f"tokenizer: vocab {trained} (asked {cfg.vocab_size}) in {seconds:.1f} s")
         if trained < cfg.vocab_size:
             _log(f"warning: the corpus gave only {trained} tokens; ids {trained}+ stay unused")
-
-        from collapse.tokenizer import batch_encoder, token_dtype
 
         dtype = token_dtype(cfg.vocab_size)
         encoder, encode = batch_encoder(tokenizer, corpus.train[:256])
