@@ -122,3 +122,17 @@ def test_sizes_order_by_params_or_by_label_number():
     assert C.ordered_sizes(meta) == ["300M", "900M", "1.8B"]
     meta = pd.DataFrame({"size": ["big", "small"], "params": [9e8, 1e6]}, index=["x", "y"])
     assert C.ordered_sizes(meta) == ["small", "big"]
+
+
+def test_row_order_does_not_matter_and_runs_keep_first_appearance():
+    df = _long({"zeta": 30, "alpha": 20}, size=["big", "small"])
+    rng = np.random.default_rng(1)
+    shuffled = df.iloc[rng.permutation(len(df))]
+    a = C.smooth(C.curves_from_frame(df), window_steps=4)
+    b = C.smooth(C.curves_from_frame(shuffled), window_steps=4)
+    assert list(a.meta.index) == ["zeta", "alpha"]
+    merged = a.data.merge(b.data, on=["run", "step"], suffixes=("_a", "_b"))
+    assert len(merged) == 50 and np.allclose(merged["loss_smooth_a"], merged["loss_smooth_b"])
+    labels = np.array(["b"] * 3 + ["a"] * 3)  # labels not in sorted order
+    got = C.trailing_mean(np.arange(6.0), np.array([1, 3, 5, 1, 3, 5]), labels, np.full(6, 3))
+    assert np.allclose(got, [0, 0.5, 1.5, 3, 3.5, 4.5])

@@ -653,7 +653,7 @@ def analyze(
 
 INPUT_HELP = """\
 input: CURVES are CSV/Parquet files, run directories or results/<family> directories.
-  A curve table has one row per logged step with columns
+  A curve table has one row per logged step with columns run, step, loss:
     run   (str)   run name
     step  (int)   optimizer step
     loss  (float) training loss of the step (nats/token)

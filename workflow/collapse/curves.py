@@ -57,8 +57,12 @@ class Curves:
         return list(self.meta.index)
 
     def select(self, runs: Iterable[str]) -> Curves:
-        keep = list(runs)
-        return Curves(self.data[self.data["run"].isin(keep)], self.meta.loc[keep])
+        wanted = set(runs)
+        keep = [run for run in self.meta.index if run in wanted]  # keep the rows' order
+        data = self.data[self.data["run"].isin(keep)]
+        if isinstance(data["run"].dtype, pd.CategoricalDtype):
+            data = data.assign(run=data["run"].cat.set_categories(keep))
+        return Curves(data, self.meta.loc[keep])
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,49 @@ def _check_columns(df: pd.DataFrame) -> None:
         )
 
 
+def _run_names(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(integer code per row, run names), runs numbered in order of first appearance."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes, names = column.cat.codes.to_numpy(), column.cat.categories.astype(str).to_numpy()
+    else:
+        codes, names = pd.factorize(column, sort=False)
+        names = pd.Index(names).astype(str).to_numpy()
+    if (codes < 0).any():
+        raise ValueError("curve table has rows without a run name; fill the run column")
+    return codes.astype(np.int64), names
+
+
+def _constant_within(column: pd.Series, new_run: np.ndarray) -> bool:
+    """Whether ``column`` (rows grouped by run) holds one value per run; NaN counts as a value.
+
+    Compares each row with the row before it inside a run; strings go through their
+    factorized codes (no Python objects for millions of rows).
+    """
+    if pd.api.types.is_numeric_dtype(column.dtype) or pd.api.types.is_bool_dtype(column.dtype):
+        values = column.to_numpy()
+    else:
+        values = pd.factorize(column, use_na_sentinel=False)[0]
+    same = values[1:] == values[:-1]
+    if values.dtype.kind == "f":
+        same |= np.isnan(values[1:]) & np.isnan(values[:-1])
+    return bool(same[~new_run[1:]].all())
+
+
+def _as_float(column: pd.Series) -> np.ndarray:
+    """Loss values as floats; anything unparsable becomes NaN (and fails the gates)."""
+    if pd.api.types.is_float_dtype(column.dtype):
+        return column.to_numpy(dtype=float)
+    return pd.to_numeric(column, errors="coerce").to_numpy(dtype=float)
+
+
+def run_codes(data: pd.DataFrame, runs: Sequence[str] | pd.Index) -> np.ndarray:
+    """Position in ``runs`` of every row's run (rows must be grouped in that order)."""
+    column = data["run"]
+    if isinstance(column.dtype, pd.CategoricalDtype) and list(column.cat.categories) == list(runs):
+        return column.cat.codes.to_numpy()
+    return pd.Categorical(column, categories=list(runs)).codes
+
+
 def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -> Curves:
     """Validate a long table, split off per-run metadata, and give every row its t_hat.
 
@@ -161,26 +208,62 @@ def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -
     when present, else from a ``steps`` (total steps) metadata column, else from the run's
     largest step (then the run is assumed complete). A partial run with known length stays
     partial, so it is never normalized by a loss that is not its final one.
+    Vectorized (one factorization of the run names, integer sorts): millions of rows in seconds.
+    Runs keep the order in which they first appear; ``data["run"]`` is categorical, its
+    categories the run names in that order (``meta.index``).
     """
     _check_columns(df)
-    df = df.copy()
-    df["run"] = df["run"].astype(str)
-    df["step"] = pd.to_numeric(df["step"], errors="raise")
-    df["loss"] = pd.to_numeric(df["loss"], errors="coerce").astype(float)  # NaN stays NaN
-    if df.duplicated(["run", "step"]).any():
-        dup = df.loc[df.duplicated(["run", "step"]), ["run", "step"]].iloc[0].tolist()
-        raise ValueError(
-            f"curve table has duplicate (run, step) rows, e.g. {dup}; keep one row per logged "
-            "step (a resumed run must not log a step twice)"
-        )
-    df = df.sort_values(["run", "step"], kind="stable", ignore_index=True)
+    codes, names = _run_names(df["run"])
+    step = pd.to_numeric(df["step"], errors="raise").to_numpy()
+    if not np.issubdtype(step.dtype, np.integer):
+        if not np.all(np.isfinite(step)) or not np.all(step == np.round(step)):
+            raise ValueError("column step must hold whole numbers (optimizer steps)")
+        step = step.astype(np.int64)
+    if len(step) == 0:
+        raise ValueError("curve table has no rows")
+    lowest = int(step.min())
+    key = codes * int(step.max() - lowest + 1) + (step - lowest)  # sorts by run, then step
+    if (np.diff(key) > 0).all():
+        order = None  # rows already grouped by run, steps increasing: no copy of the table
+    else:
+        order = np.argsort(key, kind="stable")
+        if (np.diff(key[order]) == 0).any():
+            first = int(order[np.flatnonzero(np.diff(key[order]) == 0)[0]])
+            raise ValueError(
+                f"curve table has duplicate (run, step) rows, e.g. run {df['run'].iloc[first]} "
+                f"step {step[first]}; keep one row per logged step (a resumed run must not "
+                "log a step twice)"
+            )
+        codes, step = codes[order], step[order]
 
-    # per-run metadata: columns constant within every run (besides the per-step ones)
-    grouped = df.groupby("run", sort=True)
-    candidates = [c for c in df.columns if c not in STEP_COLUMNS]
-    constant = [c for c in candidates if (grouped[c].nunique(dropna=False) <= 1).all()]
-    meta = grouped[constant].first() if constant else pd.DataFrame(index=grouped.size().index)
-    df = df[[c for c in df.columns if c in STEP_COLUMNS or c not in constant]]
+    def column(name: str) -> pd.Series:
+        values = df[name].reset_index(drop=True)
+        return values if order is None else values.take(order).reset_index(drop=True)
+
+    counts = np.bincount(codes, minlength=len(names))
+    if (counts == 0).any():
+        names, counts = names[counts > 0], counts[counts > 0]
+        codes = np.searchsorted(np.flatnonzero(np.bincount(codes) > 0), codes)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    ends = starts + counts - 1
+
+    new_run = np.zeros(len(codes), dtype=bool)
+    new_run[starts] = True
+    data = {
+        "run": pd.Categorical.from_codes(codes, categories=names),
+        "step": step,
+        "loss": _as_float(column("loss")),
+    }
+    meta = pd.DataFrame(index=pd.Index(names, name="run"))
+    for name in df.columns:
+        if name in ("run", "step", "loss"):
+            continue
+        values = column(name)
+        if name not in STEP_COLUMNS and _constant_within(values, new_run):
+            meta[name] = values.iloc[starts].to_numpy()
+        else:
+            data[name] = values.to_numpy()
+    data = pd.DataFrame(data)
     if runs_meta is not None:
         if "run" not in runs_meta.columns:
             raise ValueError("runs table lacks column 'run'; it needs one row per run named 'run'")
@@ -189,15 +272,17 @@ def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -
         meta = meta.join(extra[[c for c in extra.columns if c not in meta.columns]], how="left")
     meta.index.name = "run"
 
-    if "t_hat" not in df.columns or df["t_hat"].isna().all():
+    if "t_hat" not in data.columns or data["t_hat"].isna().all():
         if "steps" in meta.columns and meta["steps"].notna().all():
-            total = df["run"].map(meta["steps"]).astype(float)
+            total = meta["steps"].to_numpy(float)
         else:
-            total = grouped["step"].transform("max").astype(float)
-        df["t_hat"] = df["step"] / total
-    meta["t_hat_max"] = df.groupby("run", sort=True)["t_hat"].max()
+            total = step[ends].astype(float)
+        data["t_hat"] = step / np.repeat(total, counts)
+    else:
+        data["t_hat"] = data["t_hat"].astype(float)
+    meta["t_hat_max"] = np.fmax.reduceat(data["t_hat"].to_numpy(), starts)
     meta["complete"] = meta["t_hat_max"] >= COMPLETE_T_HAT
-    return Curves(df, meta)
+    return Curves(data, meta)
 
 
 # ---------------------------------------------------------------- smoothing
@@ -220,7 +305,8 @@ def trailing_mean(
 
     Vectorized over all runs at once with cumulative sums; causal (only past steps enter), so
     the online monitor sees exactly what the offline analysis sees. A NaN inside a window makes
-    that window NaN (a diverged run must not look smooth). Inputs are sorted by (group, step).
+    that window NaN (a diverged run must not look smooth). Rows come grouped by ``groups``,
+    steps increasing within a group.
     """
     values = np.asarray(values, dtype=float)
     n = len(values)
@@ -229,15 +315,27 @@ def trailing_mean(
     bad = ~np.isfinite(values)
     csum = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, values))])
     cbad = np.concatenate([[0], np.cumsum(bad)])
-    # one sortable key per row that never reaches into the previous group
     steps = np.asarray(steps, dtype=np.int64)
-    span = int(steps.max() - min(steps.min(), 0) + np.max(window_steps) + 1)
-    _, group_code = np.unique(groups, return_inverse=True)
-    key = group_code.astype(np.int64) * span + steps
-    start = np.searchsorted(key, key - np.asarray(window_steps, dtype=np.int64) + 1, side="left")
+    window_steps = np.asarray(window_steps, dtype=np.int64)
     end = np.arange(1, n + 1)
-    mean = (csum[end] - csum[start]) / (end - start)
-    mean[(cbad[end] - cbad[start]) > 0] = np.nan
+    groups = np.asarray(groups)
+    new_group = np.concatenate([[True], groups[1:] != groups[:-1]])
+    if (np.diff(steps)[~new_group[1:]] == 1).all():  # every step logged: index arithmetic
+        group_start = np.maximum.accumulate(np.where(new_group, np.arange(n), 0))
+        start = np.maximum(group_start, end - window_steps)
+        return _window_means(csum, cbad, start, end)
+    # sparse logging: one sortable key per row that never reaches into the previous group
+    span = int(steps.max() - min(steps.min(), 0) + np.max(window_steps) + 1)
+    group_code = np.cumsum(new_group) - 1  # ascending in row order, whatever the labels
+    key = group_code * span + steps
+    start = np.searchsorted(key, key - window_steps + 1, side="left")
+    return _window_means(csum, cbad, start, end)
+
+
+def _window_means(csum: np.ndarray, cbad: np.ndarray, start: np.ndarray, end: np.ndarray):
+    """Mean of rows start..end-1 from cumulative sums; NaN where a non-finite value lies."""
+    mean = (csum[1:] - csum[start]) / (end - start)  # end is 1..n
+    mean[(cbad[1:] - cbad[start]) > 0] = np.nan
     return mean
 
 
@@ -267,15 +365,18 @@ def smooth(
             raise ValueError(f"window_steps must be >= 1, got {window_steps}")
         per_run = pd.Series(window_steps, index=meta.index)
     else:
-        total = data.groupby("run", sort=True)["step"].max()
         if "steps" in meta.columns and meta["steps"].notna().all():
             total = meta["steps"]
+        else:
+            codes = run_codes(data, meta.index)
+            last = np.zeros(len(meta), dtype=np.int64)
+            np.maximum.at(last, codes, data["step"].to_numpy())
+            total = pd.Series(last, index=meta.index)
         per_run = pd.Series(default_window_steps(total.to_numpy()), index=total.index)
-    window = data["run"].map(per_run).to_numpy(dtype=np.int64)
-    out = data.copy()
-    out["loss_smooth"] = trailing_mean(
-        data["loss"].to_numpy(), data["step"].to_numpy(), data["run"].to_numpy(), window
-    )
+    codes = run_codes(data, meta.index)
+    window = per_run.reindex(meta.index).to_numpy(dtype=np.int64)[codes]
+    smoothed = trailing_mean(data["loss"].to_numpy(), data["step"].to_numpy(), codes, window)
+    out = data.assign(loss_smooth=smoothed)
     return replace(curves, data=out, meta=meta.assign(window_steps=per_run.astype(int)))
 
 
@@ -295,7 +396,7 @@ def resample(
         raise ValueError(f"curves have no column {column!r}; call smooth() before resample()")
     data = curves.data
     runs = curves.meta.index
-    codes = pd.Categorical(data["run"], categories=runs).codes
+    codes = run_codes(data, runs)
     bounds = np.searchsorted(codes, np.arange(len(runs) + 1))
     t_all = data["t_hat"].to_numpy(float)
     y_all = data[column].to_numpy(float)

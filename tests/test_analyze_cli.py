@@ -1,0 +1,128 @@
+"""`collapse analyze` end to end, and the rule entry points (reference, gate, statistics)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from collapse import analysis as A
+from collapse.cli import main
+from collapse.gates import GatePolicy, GateVerdict
+from collapse.layout import FamilyLayout
+from collapse.surrogate import synthetic_family
+
+SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8, "s8": 2.5}
+
+
+@pytest.fixture(scope="module")
+def curves_csv(tmp_path_factory):
+    df = synthetic_family(SIZES, noise_rel=0.005, wiggle_rel=0.001, rng_seed=7)
+    bad = (df["run"] == "s8_s2") & (df["step"] >= 1300)  # fault from t_hat 0.65
+    df.loc[bad, "loss"] *= 1.05
+    path = tmp_path_factory.mktemp("cli") / "curves.csv"
+    df.to_csv(path, index=False)
+    return path
+
+
+def test_analyze_writes_the_documented_outputs(curves_csv, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["analyze", str(curves_csv), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "FAIL s8_s2: diverged" in printed and "1 failed" in printed
+    summary = json.loads((out / "collapse.json").read_text())
+    for key in ("t_hat", "delta", "sigma", "supercollapse", "score", "gates"):
+        assert key in summary
+    assert summary["reference_sizes"] == ["s1", "s2"]  # default: the two smallest
+    assert set(summary["sigma"]) == set(SIZES) and len(summary["sigma"]["s4"]) == 200
+    assert summary["failed_gates"] == ["s8_s2"]
+    assert summary["gates"]["s8_s2"]["first_crossing_t_hat"] >= 0.65
+    reference = pd.read_csv(out / "reference.csv")
+    assert list(reference.columns[:4]) == ["t_hat", "ell", "lower", "upper"]
+    assert reference["ell"].iloc[-1] == pytest.approx(1.0)
+    for name in (
+        "collapse.png",
+        "residuals.png",
+        "reference.png",
+        "gates/s8_s2.png",
+        "delta_sigma.csv",
+        "runs.csv",
+        "surrogate.json",
+        "gates/s1_s0.json",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "gates" / "s1_s0.png").exists()  # plots of failed runs only
+    verdict = GateVerdict.model_validate_json((out / "gates" / "s8_s2.json").read_text())
+    assert verdict.plot.endswith("gates/s8_s2.png") and verdict.plot in verdict.message
+
+
+def test_analyze_options_reference_sizes_offset_threshold_strict(curves_csv, tmp_path):
+    out = tmp_path / "out"
+    args = [
+        "analyze",
+        str(curves_csv),
+        "--out",
+        str(out),
+        "--reference-sizes",
+        "s2,s4",
+        "--offset",
+        "1.0",
+        "--threshold",
+        "0.5",
+        "--plots",
+        "none",
+    ]
+    assert main(args) == 0
+    summary = json.loads((out / "collapse.json").read_text())
+    assert summary["reference_sizes"] == ["s2", "s4"] and summary["offset"] == 1.0
+    assert summary["failed_gates"] == [] and summary["threshold"] == 0.5
+    strict = ["analyze", str(curves_csv), "--out", str(tmp_path / "s"), "--strict"]
+    assert main(strict) == 3
+    with pytest.raises(ValueError, match="s16"):
+        main(["analyze", str(curves_csv), "--out", str(out), "--reference-sizes", "s16"])
+
+
+def test_help_documents_the_input_format(capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", "--help"])
+    text = capsys.readouterr().out
+    assert "run, step, loss" in text and "--reference-sizes" in text and "--offset" in text
+
+
+def test_rule_entry_points_on_a_project_family_directory(tmp_path):
+    """reference -> gate -> statistics on results/<family> as training writes it."""
+    df = synthetic_family({"d64": 3.2, "d128": 2.9, "d256": 2.6}, seeds=2, rng_seed=8)
+    fam = FamilyLayout.of("tiny", tmp_path)
+    for run, part in df.groupby("run"):
+        fam.run_dir(run).mkdir(parents=True)
+        part[["run", "step", "loss"]].assign(
+            tokens=part["step"] * 2048, t_hat=part["step"] / 2000
+        ).to_parquet(fam.curve(run))
+    fam.plan_dir.mkdir(parents=True)
+    plan = df.groupby("run")[["size", "seed", "tau", "tpp", "steps"]].first().reset_index()
+    plan.to_csv(fam.plan_dir / "runs.csv", index=False)
+    runs_csv = fam.plan_dir / "runs.csv"
+
+    ref_runs = [fam.curve(r) for r in plan.run if r.startswith("d64")]
+    reference = A.build_reference(ref_runs, runs_csv, ["d64"], fam.reference_dir)
+    assert (fam.reference_dir / "reference.json").is_file() and reference.sizes == ["d64"]
+
+    verdict = A.gate_run(
+        fam.curve("d256_s1"),
+        fam.reference_dir / "reference.csv",
+        runs_csv,
+        GatePolicy(),
+        fam.gate("d256_s1"),
+        fam.gate("d256_s1").with_suffix(".png"),
+    )
+    assert verdict.passed and verdict.reference_sizes == ["d64"]
+    assert fam.gate("d256_s1").is_file() and fam.gate("d256_s1").with_suffix(".png").is_file()
+
+    stats = A.family_statistics([fam.root], None, tmp_path / "stats", reference=fam.reference_dir)
+    assert stats.supercollapse is True and len(stats.runs) == 6
+    saved = json.loads((tmp_path / "stats" / "collapse.json").read_text())
+    assert saved["score"] == pytest.approx(stats.score)
+    table = pd.read_csv(tmp_path / "stats" / "delta_sigma.csv")
+    assert {"t_hat", "delta", "sigma_d64", "sigma_mean"} <= set(table.columns)
+    assert np.isfinite(table["delta"]).all()
