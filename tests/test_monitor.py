@@ -202,3 +202,19 @@ def test_observe_is_cheap(family, tmp_path):
     for step in range(1, 20_001):
         monitor.observe(step, step / 20_000, 3.0)
     assert time.perf_counter() - start < 1.0  # ~us per step; the training step takes far more
+
+
+def test_fresh_monitor_after_resume_needs_replay(family, tmp_path):
+    df, ref_csv = family
+    loss = df.loc[df["run"] == "s8_s1", "loss"].to_numpy()
+    spec = _spec(tmp_path, str(ref_csv))
+    straight = _feed(OnlineMonitor(spec, tmp_path / "a.jsonl"), loss)[-1]
+    blind = OnlineMonitor(spec, tmp_path / "b.jsonl")  # the job restarted at step 1200
+    verdict = _feed(blind, loss, start=1201)[0]
+    assert verdict.status == "unaligned" and "replay" in verdict.message and not verdict.alarm
+    resumed = OnlineMonitor(spec, tmp_path / "c.jsonl")
+    resumed.replay(
+        {"step": s, "t_hat": s / STEPS, "loss": float(loss[s - 1])} for s in range(1, 1201)
+    )
+    last = _feed(resumed, loss, start=1201)[-1]
+    assert last.residual == pytest.approx(straight.residual, abs=1e-12)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +38,8 @@ class MonitorVerdict:
     residual: float | None  # the largest |r| since the previous check, signed; None: waiting
     threshold: float
     step: int = 0
-    status: str = "waiting"  # "waiting" (before the align window), "ok", "alarm"
+    status: str = "waiting"  # "waiting" (before the align window end), "ok", "alarm",
+    # or "unaligned" (resumed without the steps of the align window: see replay)
     aligned_final_loss: float | None = None  # L(T) from early-align (nats/token)
     stop: bool = False  # alarm and spec.monitor.stop_on_alarm
 
@@ -96,6 +98,15 @@ class OnlineMonitor:
         self._t_hat.append(float(t_hat))
         self._loss.append(float(loss))
 
+    def replay(self, rows: Iterable[Mapping[str, float]]) -> None:
+        """Observe logged steps again (dicts with step, t_hat, loss), e.g. after a resume.
+
+        A resumed job builds a fresh monitor; without the steps before the resume it cannot
+        early-align. Pass the restored curve rows (RunState.curve) before training goes on.
+        """
+        for row in rows:
+            self.observe(int(row["step"]), float(row["t_hat"]), float(row["loss"]))
+
     def _smoothed(self, start: int) -> np.ndarray:
         """Trailing-mean loss for history indices start.. (the same smoothing as the analysis)."""
         lo = max(0, start - self.window_steps)
@@ -123,18 +134,34 @@ class OnlineMonitor:
             self._write(verdict)
             return verdict
         if self._aligned is None:
+            t_all = np.asarray(self._t_hat)
+            lo = self.policy.align_window[0]
+            if t_all[0] > lo + 1e-9:  # resumed without replaying the steps before the resume
+                verdict = MonitorVerdict(
+                    alarm=False,
+                    message=f"cannot align: the monitor has seen t_hat {t_all[0]:.3f}.. only, "
+                    f"not the align window from {lo:g}; replay() the curve before a resume",
+                    t_hat=t_now,
+                    residual=None,
+                    threshold=self.threshold,
+                    step=step_now,
+                    status="unaligned",
+                )
+                self._write(verdict)
+                return verdict
             smooth_all = self._smoothed(0)
+            in_window = (t_all >= lo) & (t_all <= align_end) & np.isfinite(smooth_all)
             self._aligned = (
                 early_align(
-                    np.asarray(self._t_hat),
+                    t_all,
                     smooth_all,
                     self.reference.t_hat,
                     self.reference.ell,
                     self.policy.align_window,
                     self.offset,
                 ).final_loss
-                if np.isfinite(smooth_all).any()
-                else math.nan
+                if in_window.any()
+                else math.nan  # a loss that went non-finite inside the window: alarm below
             )
         start = self._checked
         self._checked = n
