@@ -313,8 +313,9 @@ def trailing_mean(
     if n == 0:
         return values.copy()
     bad = ~np.isfinite(values)
-    csum = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, values))])
-    cbad = np.concatenate([[0], np.cumsum(bad)])
+    any_bad = bool(bad.any())
+    csum = np.concatenate([[0.0], np.cumsum(np.where(bad, 0.0, values) if any_bad else values)])
+    cbad = np.concatenate([[0], np.cumsum(bad)]) if any_bad else None
     steps = np.asarray(steps, dtype=np.int64)
     window_steps = np.asarray(window_steps, dtype=np.int64)
     end = np.arange(1, n + 1)
@@ -332,10 +333,13 @@ def trailing_mean(
     return _window_means(csum, cbad, start, end)
 
 
-def _window_means(csum: np.ndarray, cbad: np.ndarray, start: np.ndarray, end: np.ndarray):
+def _window_means(
+    csum: np.ndarray, cbad: np.ndarray | None, start: np.ndarray, end: np.ndarray
+) -> np.ndarray:
     """Mean of rows start..end-1 from cumulative sums; NaN where a non-finite value lies."""
     mean = (csum[1:] - csum[start]) / (end - start)  # end is 1..n
-    mean[(cbad[1:] - cbad[start]) > 0] = np.nan
+    if cbad is not None:
+        mean[(cbad[1:] - cbad[start]) > 0] = np.nan
     return mean
 
 
