@@ -29,6 +29,10 @@ FAMILY_RUNS = PLAN.run_names("family")
 SWEEP_RUNS = PLAN.run_names("sweep")
 SWEEPS = [s.name for s in FAMILY.sweeps]
 PLAN_OUT = str(LAYOUT.plan_dir)
+# The plan reruns when the resolved config or a spec changes (not when an estimate does).
+PLAN_SHA = hashlib.sha256(
+    (CFG.model_dump_json() + "".join(r.to_json() for r in PLAN.runs)).encode()
+).hexdigest()[:16]
 
 
 wildcard_constraints:

@@ -13,6 +13,6 @@ rule plan:
     params:
         overrides=shlex.join(OVERRIDES),
         out=lambda wc, output: os.path.dirname(output.runs),
-        config_sha=hashlib.sha256(PLAN.table.to_csv().encode()).hexdigest()[:16],
+        plan_sha=PLAN_SHA,
     shell:
         "collapse plan {params.overrides} --out {params.out} > {log} 2>&1"
