@@ -104,14 +104,20 @@ def snakemake_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def snakemake_slurm_args(workdir: Path, *extra: str) -> list[str]:
-    """``snakemake --profile <repo>/slurm`` with short status polling for a test cluster."""
+def snakemake_slurm_args(workdir: Path, *extra: str, snakefile: Path | None = None) -> list[str]:
+    """``snakemake --profile <repo>/slurm`` on ``workdir``'s Snakefile, polling often.
+
+    The Snakefile is named explicitly: snakemake looks for one in its working directory, not
+    in ``--directory``.
+    """
     return [
         sys.executable,
         "-m",
         "snakemake",
         "--profile",
         str(PROFILE),
+        "--snakefile",
+        str(snakefile or workdir / "Snakefile"),
         "--directory",
         str(workdir),
         # the profile's 40 s wait before the first status check suits a busy real cluster;
