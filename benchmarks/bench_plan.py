@@ -25,7 +25,9 @@ OVERRIDES = [
     "cluster=slurm_h100",
     "family.seeds=[0,1,2]",
     "family.reference.seeds=[0,1,2]",
-    "+family.sweeps=[{name: tau, size: 1.8B, tpp: 80, grid: {tau: [" + ",".join(map(str, TAUS)) + "]}}]",
+    "+family.sweeps=[{name: tau, size: 1.8B, tpp: 80, grid: {tau: ["
+    + ",".join(map(str, TAUS))
+    + "]}}]",
 ]
 
 

@@ -138,6 +138,9 @@ class SweepSpec(_Spec):
     )
     validate_full: bool = False  # train every variant to the end to measure the truth
     seed: Annotated[int, Field(ge=0)] = 0
+    # A small run per distinct tau of the grid is each variant's reference (PAPER.md section 5,
+    # step 1: one small model per combination of controls). Default: the first reference size.
+    reference_size: str | None = None
 
     @field_validator("grid", mode="before")
     @classmethod
@@ -254,6 +257,11 @@ class FamilySpec(_Spec):
                 problems.append(
                     f"sweeps[{sweep.name}].size: {sweep.size!r} is not a size of the family"
                     f"{_did_you_mean(sweep.size, names)}"
+                )
+            if sweep.reference_size is not None and sweep.reference_size not in names:
+                problems.append(
+                    f"sweeps[{sweep.name}].reference_size: {sweep.reference_size!r} is not a "
+                    f"size of the family{_did_you_mean(sweep.reference_size, names)}"
                 )
             if sweep.tpp is not None and sweep.tpp not in self.tpp:
                 problems.append(

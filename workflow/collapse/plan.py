@@ -74,8 +74,12 @@ def run_name(size: str, tpp: float, seed: int) -> str:
 
 
 def sweep_run_name(sweep: SweepSpec, size: str, variant: dict[str, float]) -> str:
-    values = "-".join(f"{k}{v:g}" for k, v in sorted(variant.items()))
+    values = "-".join(f"{k}{v:.4g}" for k, v in sorted(variant.items()))
     return f"sweep-{sweep.name}-{size}-{values}-s{sweep.seed}"
+
+
+def sweep_reference_name(sweep: SweepSpec, size: str, tau: float) -> str:
+    return f"sweepref-{sweep.name}-{size}-tau{tau:.4g}-s{sweep.seed}"
 
 
 def reference_csv(layout: FamilyLayout, tpp: float) -> Path:
@@ -116,6 +120,7 @@ def plan_run(
     corpus_tokens: int,
     sweep: SweepSpec | None = None,
     variant: dict[str, float] | None = None,
+    role: str | None = None,
 ) -> tuple[RunSpec, dict]:
     """One run's spec plus the plan-only facts (wall time, memory, epochs) for runs.csv."""
     family, cluster = cfg.family, cfg.cluster
@@ -206,8 +211,9 @@ def plan_run(
         mem_mb = int(cluster.mem_gb * 1024)
         gpus_per_node = 0
 
+    role = role or ("family" if sweep is None else "sweep")
     stop_fraction = 1.0
-    if sweep is not None and not sweep.validate_full:
+    if role == "sweep" and not sweep.validate_full:
         stop_fraction = max([sweep.fraction, *sweep.fractions])
     wall_hours_run = wall_hours * stop_fraction
     runtime_min = max(
@@ -215,11 +221,12 @@ def plan_run(
     )
     is_reference = size.name in family.reference.sizes and sweep is None
     monitored = family.gates.monitor and not is_reference and sweep is None
-    name = (
-        run_name(size.name, tpp, seed)
-        if sweep is None
-        else sweep_run_name(sweep, size.name, variant)
-    )
+    if role == "family":
+        name = run_name(size.name, tpp, seed)
+    elif role == "sweep":
+        name = sweep_run_name(sweep, size.name, variant)
+    else:
+        name = sweep_reference_name(sweep, size.name, tau)
     every = lambda fraction: max(1, round(steps * fraction))  # noqa: E731
 
     spec = RunSpec(
@@ -228,7 +235,7 @@ def plan_run(
         size=size.name,
         tpp_band=tpp,
         tpp=tokens / tpp_params,
-        role="family" if sweep is None else "sweep",
+        role=role,
         sweep="" if sweep is None else sweep.name,
         variant=variant,
         params=count.total,
@@ -325,7 +332,7 @@ def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
 
 
 def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
-    """Every run of the family; raises ConfigError (naming the size) when a run cannot be laid out."""
+    """Every run of the family; ConfigError (naming the size) when a run cannot be laid out."""
     from collapse.data import estimate_corpus_tokens
 
     family = cfg.family
@@ -352,17 +359,27 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
         for sweep in family.sweeps:
             size = family.size(sweep.size)
             tpp = sweep.tpp if sweep.tpp is not None else family.tpp[0]
+            ref_size = family.size(sweep.reference_size or family.reference.sizes[0])
+            taus = {}
             for variant in sweep_variants(sweep):
+                spec, facts = plan_run(
+                    cfg, size, tpp, sweep.seed, corpus_tokens=corpus_tokens, sweep=sweep,
+                    variant=variant,
+                )  # fmt: skip
+                add(spec, facts)
+                taus.setdefault(round(spec.optim.tau, 4), spec.optim.tau)
+            for tau in taus.values():  # one small full-length run per control (tau) of the grid
                 add(
                     *plan_run(
                         cfg,
-                        size,
+                        ref_size,
                         tpp,
                         sweep.seed,
                         corpus_tokens=corpus_tokens,
                         sweep=sweep,
-                        variant=variant,
-                    )
+                        variant={"tau": tau},
+                        role="sweep_reference",
+                    )  # fmt: skip
                 )
     except parallel.LayoutError as err:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
@@ -470,8 +487,10 @@ def plan_report_markdown(plan: Plan) -> str:
         "",
         fam.description,
         "",
-        f"- runs: {len(t)} ({(t.role == 'family').sum()} family, {(t.role == 'sweep').sum()} sweep)",
-        f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; 6ND: {_si(t.flops_6nd.sum())}",
+        f"- runs: {len(t)} ({(t.role == 'family').sum()} family, "
+        f"{(t.role != 'family').sum()} sweep)",
+        f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; "
+        f"6ND: {_si(t.flops_6nd.sum())}",
         f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",
         f"- wall-hours if run one after another: {total_wall_h:,.2f}",
         f"- reference sizes: {', '.join(fam.reference.sizes)} (seeds {fam.reference.seeds})",

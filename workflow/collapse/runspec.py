@@ -134,7 +134,7 @@ class RunSpec(_Strict):
     size: str
     tpp_band: float  # the requested TPP
     tpp: float  # realized TPP = tokens / params
-    role: Literal["family", "sweep"] = "family"
+    role: Literal["family", "sweep", "sweep_reference"] = "family"
     sweep: str = ""
     variant: dict[str, float] = Field(default_factory=dict)
     params: int  # N, all parameters, embeddings included

@@ -42,29 +42,44 @@ def _collapse(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    """Predict every variant from its partial curve; metrics against the truth where known."""
+    """Predict every variant against the small run of its own tau; metrics where truth is known.
+
+    PAPER.md section 5: the reference of a setting is a small model trained with the same
+    controls (schedule, tau, TPP). The plan adds one such run per distinct tau of the grid.
+    """
+    import numpy as np
     import pandas as pd
 
-    from collapse.curves import read_curves, smooth
+    from collapse.curves import read_curves, resample, smooth
     from collapse.predict import predict_runs
-    from collapse.reference import ReferenceCurve
+    from collapse.reference import reference_curve
     from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
 
     curves = smooth(read_curves(args.curves, args.runs))
-    reference = ReferenceCurve.read_csv(args.reference)
-    table = predict_runs(curves, reference, args.fractions)
+    runs = pd.read_csv(args.runs).set_index("run")
+    mine = runs.loc[[r for r in curves.runs if r in runs.index]]
+    references = mine[mine.role == "sweep_reference"]
+    variants = mine[mine.role == "sweep"]
+    if references.empty or variants.empty:
+        raise SystemExit("error: a sweep needs its variants and its sweep_reference runs")
+    tables = []
+    for tau, group in variants.groupby("tau"):
+        ref_run = references.index[np.argmin(np.abs(references["tau"].to_numpy() - tau))]
+        reference = reference_curve(resample(curves.select([ref_run])))
+        table = predict_runs(curves, reference, args.fractions, runs=list(group.index))
+        tables.append(table.assign(reference_run=ref_run))
+    table = pd.concat(tables, ignore_index=True)
+    table["sweep"] = table["run"].map(runs["sweep"]).astype(str)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "predictions.csv", index=False, float_format="%.6g")
-    runs = pd.read_csv(args.runs).set_index("run")
     truth = truth_from_predictions(table)
     truth["flops"] = truth["run"].map(runs["flops"])
     metrics = sweep_metrics(table, truth)
     metrics.to_csv(out / "metrics.csv", index=False, float_format="%.6g")
     write_sweep_report(metrics, out)
-    chosen = metrics[metrics.method == "collapse"].sort_values("fraction")
-    for _, row in chosen.iterrows():
-        print(f"at {row.fraction:.0%}: collapse selects {row.selected_run}")
+    for _, row in metrics[metrics.method == "collapse"].sort_values("fraction").iterrows():
+        print(f"at {row.fraction:.0%} of training: collapse selects {row.selected_run}")
     return 0
 
 
@@ -129,9 +144,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_collapse)
 
     p = sub.add_parser("sweep", help="predict a sweep's final losses from partial runs")
-    p.add_argument("curves", nargs="+", type=Path)
+    p.add_argument("curves", nargs="+", type=Path, help="variants and their sweep_reference runs")
     p.add_argument("--runs", type=Path, required=True)
-    p.add_argument("--reference", type=Path, required=True)
     p.add_argument("--fractions", type=float, nargs="+", required=True)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=_sweep)

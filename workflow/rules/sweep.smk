@@ -5,14 +5,6 @@ rule sweep:
             curve(r) for r in PLAN.table[PLAN.table.sweep == wc.sweep].run
         ],
         runs=f"{PLAN_OUT}/runs.csv",
-        reference=lambda wc: str(
-            reference_csv(
-                LAYOUT,
-                PLAN.spec(
-                    PLAN.table[PLAN.table.sweep == wc.sweep].run.iloc[0]
-                ).tpp_band,
-            )
-        ),
     output:
         predictions=f"{ROOT}/sweeps/{{sweep}}/predictions.csv",
         metrics=f"{ROOT}/sweeps/{{sweep}}/metrics.csv",
@@ -27,5 +19,5 @@ rule sweep:
             for f in next(s for s in FAMILY.sweeps if s.name == wc.sweep).fractions
         ),
     shell:
-        "collapse stage sweep --runs {input.runs} --reference {input.reference}"
+        "collapse stage sweep --runs {input.runs}"
         " --fractions {params.fractions} --out {params.out} {input.curves} > {log} 2>&1"
