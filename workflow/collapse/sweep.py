@@ -130,10 +130,12 @@ def metrics_markdown(metrics: pd.DataFrame) -> str:
             "trained (%)": (100 * metrics["fraction"]).map("{:.0f}".format),
             "variants": metrics["n_variants"],
             "mean abs error (%)": metrics["mean_abs_error_pct"].map("{:.2f}".format),
-            "selected": metrics["selected_run"],
-            "best": metrics["best_run"],
+            "selected": metrics["selected_run"].fillna("").astype(str),
+            "best": metrics["best_run"].fillna("").astype(str),
             "regret (nats/token)": metrics["regret_loss"].map("{:.4f}".format),
-            "found best": metrics["found_best"].map({True: "yes", False: "no"}).fillna(""),
+            "found best": metrics["found_best"]
+            .map({True: "yes", False: "no", "True": "yes", "False": "no"})
+            .fillna(""),
             "compute (% of full sweep)": (100 * metrics["compute_fraction_of_full_sweep"]).map(
                 "{:.0f}".format
             ),

@@ -1,0 +1,94 @@
+"""The whole DAG on the smoke family: plan, data, training, reference, gates, sweep, evaluation,
+report; then the properties of what it wrote (not only the exit code)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from collapse.layout import CURVE_COLUMNS
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.ci]
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+        "--directory", str(workdir), "--cores", "2", "--config", "family=smoke", *args,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    workdir = tmp_path_factory.mktemp("smoke")
+    out = snakemake(workdir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return workdir / "results" / "smoke"
+
+
+def test_plan_lists_every_run(smoke):
+    runs = pd.read_csv(smoke / "plan" / "runs.csv")
+    assert len(runs) == 10
+    assert set(runs.role) == {"family", "sweep", "sweep_reference"}
+    assert (runs.tokens == runs.steps * runs.batch_seqs * runs.seq_len).all()
+
+
+def test_curves_are_complete_and_decreasing(smoke):
+    runs = pd.read_csv(smoke / "plan" / "runs.csv").set_index("run")
+    for run, row in runs.iterrows():
+        curve = pd.read_parquet(smoke / "runs" / run / "curve.parquet")
+        assert tuple(curve.columns) == CURVE_COLUMNS
+        assert curve.step.tolist() == list(range(1, int(row.steps * row.stop_fraction) + 1))
+        tenth = max(1, len(curve) // 10)
+        assert curve.loss.iloc[-tenth:].mean() < curve.loss.iloc[:tenth].mean() - 0.5, run
+        assert curve.t_hat.iloc[-1] == pytest.approx(row.stop_fraction, abs=1 / row.steps)
+        meta = json.loads((smoke / "runs" / run / "meta.json").read_text())
+        assert meta["params"] == row.params
+
+
+def test_gates_and_collapse_statistics(smoke):
+    runs = pd.read_csv(smoke / "plan" / "runs.csv")
+    for run in runs[runs.role == "family"].run:
+        verdict = json.loads((smoke / "gates" / f"{run}.json").read_text())
+        assert verdict["run"] == run and isinstance(verdict["passed"], bool)
+        assert verdict["message"] and (smoke / "gates" / f"{run}.png").stat().st_size > 0
+    stats = json.loads((smoke / "collapse" / "tpp4" / "collapse.json").read_text())
+    assert {"t_hat", "delta", "sigma", "supercollapse", "score"} <= set(stats)
+    ref = pd.read_csv(smoke / "reference" / "tpp4" / "reference.csv")
+    assert ref.ell.iloc[-1] == pytest.approx(1.0)
+
+
+def test_sweep_predictions_and_metrics(smoke):
+    preds = pd.read_csv(smoke / "sweeps" / "tau" / "predictions.csv")
+    assert set(preds.method) == {"collapse", "current", "powerlaw"}
+    assert set(preds.fraction) == {0.2, 0.3}
+    metrics = pd.read_csv(smoke / "sweeps" / "tau" / "metrics.csv")
+    assert metrics[metrics.method == "collapse"].selected_run.str.startswith("sweep-tau").all()
+
+
+def test_evaluation_results(smoke):
+    runs = pd.read_csv(smoke / "plan" / "runs.csv")
+    for run in runs[runs.role == "family"].run:
+        result = json.loads((smoke / "evals" / f"{run}.json").read_text())
+        assert result["heldout_loss"] > 0
+        for task in ("arc_easy", "boolq", "piqa"):
+            assert 0.0 <= result["tasks"][task]["acc"] <= 1.0
+            assert result["tasks"][task]["n"] == 4
+
+
+def test_report_built(smoke):
+    index = (smoke / "report" / "index.md").read_text()
+    assert "smoke" in index
+    pngs = list((smoke / "report").rglob("*.png"))
+    assert pngs and all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_rerun_has_nothing_to_do(smoke):
+    out = snakemake(smoke.parent.parent, "-n")
+    assert out.returncode == 0
+    assert "Nothing to be done" in out.stdout + out.stderr
