@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from collapse.launch import multinode_command, single_node_command, slurm_resources, train_command
+from collapse.launch import (
+    multinode_command,
+    sbatch_request,
+    single_node_command,
+    slurm_resources,
+    train_command,
+)
 from slurm.runspecs import make_spec
 
 SLURM_TEST_DIR = Path(__file__).parent / "slurm"
@@ -145,3 +151,27 @@ def test_torchrun_standalone_command_starts_exactly_the_ranks_asked_for(tmp_path
     records = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert [r["rank"] for r in records] == [0, 1]
     assert all(r["world"] == 2 and r["all_reduce_sum"] == 2.0 for r in records)
+
+
+def test_sbatch_request_shows_what_the_plugin_submits():
+    single = make_spec(tp=2, dp=2, gpus=4, procs_per_node=4, gpus_per_node=4, threads=16)
+    assert sbatch_request(single) == (
+        "sbatch -p <default> -t 60 --mem 16000 --nodes=1 --cpus-per-task=16 "
+        "--requeue --open-mode=append --signal=TERM@360 --gpus=4"
+    )
+    multi = make_spec(
+        tp=8,
+        dp=4,
+        gpus=32,
+        nodes=4,
+        procs_per_node=8,
+        gpus_per_node=8,
+        threads=64,
+        partition="gpu",
+        account="proj42",
+    )
+    request = sbatch_request(multi)
+    assert request.startswith("sbatch -A proj42 -p gpu -t 60 --mem 16000 --nodes=4 --ntasks=4 ")
+    assert request.endswith("--gres=gpu:8")
+    cpu = sbatch_request(make_spec())
+    assert "--ntasks=1" in cpu and "gpu" not in cpu

@@ -144,6 +144,30 @@ def slurm_resources(spec: RunSpec) -> dict[str, int | str | None]:
     }
 
 
+def sbatch_request(spec: RunSpec) -> str:
+    """The sbatch options the Slurm plugin will submit the train job with, for the plan's report.
+
+    Mirrors the plugin's submit string for the resources of ``slurm_resources`` (job name,
+    log file and the wrapped command left out); an empty partition or account shows as the
+    cluster's default.
+    """
+    res = slurm_resources(spec)
+    words = []
+    if res["slurm_account"]:
+        words.append(f"-A {res['slurm_account']}")
+    words.append(f"-p {res['slurm_partition'] or '<default>'}")
+    words += [f"-t {res['runtime']}", f"--mem {res['mem_mb']}", f"--nodes={res['nodes']}"]
+    if res["mpi"] or not (res["gpu"] or res["gres"]):
+        words.append(f"--ntasks={res['tasks']}")
+    words.append(f"--cpus-per-task={res['cpus_per_task']}")
+    words.append(str(res["slurm_extra"]))
+    if res["gres"]:
+        words.append(f"--gres={res['gres']}")
+    if res["gpu"]:
+        words.append(f"--gpus={res['gpu']}")
+    return "sbatch " + " ".join(words)
+
+
 def check_parallel(spec: RunSpec) -> None:
     """Fail early, naming the field, where the spec's parallel and resources blocks disagree."""
     p, r = spec.parallel, spec.resources
