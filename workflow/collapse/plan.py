@@ -500,6 +500,20 @@ def plan_report_markdown(plan: Plan) -> str:
         "![tokens, FLOPs and GPU-hours by size](plan.png)",
         "",
     ]
+    if cl.executor == "slurm":
+        from collapse.launch import sbatch_request
+
+        lines += [
+            "## Slurm requests of the training jobs",
+            "",
+            "What `snakemake --profile slurm` submits for each run (the plugin adds the job name,",
+            "log file and command):",
+            "",
+            "| run | request |",
+            "|---|---|",
+            *(f"| {r.run} | `{sbatch_request(r)}` |" for r in plan.runs),
+            "",
+        ]
     return "\n".join(lines)
 
 

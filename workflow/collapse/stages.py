@@ -93,8 +93,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         print("(allow it with family.gates.allow_fail=[<run>] to evaluate anyway)", file=sys.stderr)
         return 3
-    tasks = [t for t in args.tasks.split(",") if t] if args.tasks else None
-    evaluate_run(args.spec, args.out, limit=args.limit, tasks=tasks)
+    tasks = [t for t in args.tasks.split(",") if t]
+    evaluate_run(args.spec, args.out, limit=args.limit, **({"tasks": tasks} if tasks else {}))
     return 0
 
 

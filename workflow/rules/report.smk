@@ -1,5 +1,11 @@
+REPORT = f"{ROOT}/report"
+FIGURES = ["collapse_curves", "delta_sigma", "gate_summary", "downstream_vs_flops"]
+if SWEEPS:
+    FIGURES += ["sweep_predictions", "sweep_metrics"]
+
+
 rule report:
-    """Every figure and table of the family from results/: one target."""
+    """Every figure and table of the family from results/: one target (also `--report`)."""
     input:
         runs=f"{PLAN_OUT}/runs.csv",
         stats=expand(f"{ROOT}/collapse/tpp{{band}}/collapse.json", band=TPP_BANDS),
@@ -7,7 +13,20 @@ rule report:
         evals=expand(f"{ROOT}/evals/{{run}}.json", run=FAMILY_RUNS),
         sweeps=expand(f"{ROOT}/sweeps/{{sweep}}/metrics.csv", sweep=SWEEPS),
     output:
-        index=f"{ROOT}/report/index.md",
+        index=f"{REPORT}/index.md",
+        figures=[
+            report(
+                f"{REPORT}/{name}.png",
+                caption=f"../report/{name}.rst",
+                category="collapse",
+            )
+            for name in FIGURES
+        ],
+        table=report(
+            f"{REPORT}/family_table.csv",
+            caption="../report/family_table.rst",
+            category="tables",
+        ),
     log:
         f"{ROOT}/logs/report.log",
     conda:
