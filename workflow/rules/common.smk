@@ -77,4 +77,5 @@ def train_inputs(wildcards):
 
 
 def train_resource(key):
-    return lambda wildcards: slurm_resources(spec_of(wildcards)).get(key, 0)
+    """One of launch.slurm_resources; None leaves the resource unset."""
+    return lambda wildcards: slurm_resources(spec_of(wildcards)).get(key)
