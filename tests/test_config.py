@@ -108,19 +108,19 @@ MALFORMED = {
     "missing tpp": (_delete(["family", "tpp"]), ["family.tpp", "missing"]),
     "zero d_model": (
         _set(["family", "sizes", 0, "d_model"], 0),
-        ["sizes[0](d64).d_model", "greater than 0"],
+        ["sizes[0](d48).d_model", "greater than 0"],
     ),
     "negative layers": (
         _set(["family", "sizes", 1, "n_layers"], -2),
-        ["sizes[1](d96).n_layers", "greater than 0"],
+        ["sizes[1](d64).n_layers", "greater than 0"],
     ),
     "heads do not divide": (
         _set(["family", "sizes", 0, "n_heads"], 5),
-        ["n_heads=5 does not divide d_model=64", "pick n_heads"],
+        ["n_heads=5 does not divide d_model=48", "pick n_heads"],
     ),
     "misspelled size key": (
         _set(["family", "sizes", 0, "d_modle"], 64),
-        ["sizes[0](d64).d_modle", "unknown key", "did you mean 'd_model'"],
+        ["sizes[0](d48).d_modle", "unknown key", "did you mean 'd_model'"],
     ),
     "misspelled top key": (
         _set(["family", "seed"], [0]),
@@ -143,8 +143,8 @@ MALFORMED = {
         ["2 values for 1 TPP bands"],
     ),
     "reference size not in family": (
-        _set(["family", "reference", "sizes"], ["d644"]),
-        ["reference.sizes", "'d644' is not a size", "did you mean 'd64'"],
+        _set(["family", "reference", "sizes"], ["d488"]),
+        ["reference.sizes", "'d488' is not a size", "did you mean 'd48'"],
     ),
     "sweep unknown hyperparameter": (
         _set(["family", "sweeps", 0, "grid"], {"weight_decy": [0.1]}),
@@ -159,8 +159,8 @@ MALFORMED = {
         ["family.arch.activation", "'gelu', 'squared_relu' or 'swiglu'"],
     ),
     "duplicate size names": (
-        _set(["family", "sizes", 1, "name"], "d64"),
-        ["duplicate size names ['d64']"],
+        _set(["family", "sizes", 1, "name"], "d48"),
+        ["duplicate size names ['d48']"],
     ),
     "batch table without batches": (
         _set(["family", "batch", "rule"], "table"),

@@ -25,6 +25,7 @@ from collapse.config import (
     Config,
     ConfigError,
     FamilySpec,
+    ParameterizationSpec,
     SizeSpec,
     SweepSpec,
     TauPowerLaw,
@@ -150,21 +151,8 @@ def plan_run(
     p = family.parameterization
     eta_base = variant.get("eta_base", p.eta_base)
     if "lr_peak" in variant:  # the hidden-layer LR is set; the base LR follows
-        eta_base = variant["lr_peak"] * eta_base / _hidden_lr(arch, p, eta_base)
-    mup = scaling.mup_parameterization(
-        arch,
-        kind=p.kind,
-        d_base=p.d_base,
-        depth_base=p.depth_base,
-        sigma_base=p.sigma_base,
-        eta_base=eta_base,
-        alpha_input=p.alpha_input,
-        alpha_output=p.alpha_output,
-        beta1=p.beta1,
-        beta2=p.beta2,
-        eps=p.eps,
-        completep_alpha=p.completep_alpha,
-    )
+        eta_base = variant["lr_peak"] * eta_base / parameterize(arch, p, eta_base).lr_hidden
+    mup = parameterize(arch, p, eta_base)
     eta = mup.lr_hidden
     if "weight_decay" in variant:
         weight_decay = variant["weight_decay"]
@@ -305,8 +293,8 @@ def plan_run(
     return spec, facts
 
 
-def _hidden_lr(arch: ModelArch, p, eta_base: float) -> float:
-    """The hidden-layer LR the parameterization gives for ``eta_base`` (to invert lr_peak)."""
+def parameterize(arch: ModelArch, p: ParameterizationSpec, eta_base: float):
+    """µP/CompleteP of one size from the family's parameterization block and a base LR."""
     return scaling.mup_parameterization(
         arch,
         kind=p.kind,
@@ -320,7 +308,7 @@ def _hidden_lr(arch: ModelArch, p, eta_base: float) -> float:
         beta2=p.beta2,
         eps=p.eps,
         completep_alpha=p.completep_alpha,
-    ).lr_hidden
+    )
 
 
 def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
