@@ -15,6 +15,7 @@ import argparse
 import time
 
 import numpy as np
+
 from collapse import analysis as A
 from collapse import curves as C
 from collapse.gates import GatePolicy

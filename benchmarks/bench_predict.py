@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pandas as pd
+
 from collapse.curves import curves_from_frame, read_curves, smooth
 from collapse.predict import predict_runs, reference_from_sizes
 from collapse.surrogate import synthetic_loss

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse import analysis as A
 from collapse.cli import main
 from collapse.gates import GatePolicy, GateVerdict

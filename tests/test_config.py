@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+
 from collapse.config import (
     ConfigError,
     compose_config,

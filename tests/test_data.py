@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
+
 from collapse import cli
 from collapse.corpus import SourceError, build_corpus, normalize_text, split_scenes
 from collapse.data import (
@@ -28,7 +30,6 @@ from collapse.data import (
     verify_dataset,
 )
 from collapse.tokenizer import EOD_ID, load_tokenizer
-from pydantic import ValidationError
 
 SMALL = dict(vocab_size=512, max_corpus_bytes=300_000, valid_fraction=0.05, seed=7)
 

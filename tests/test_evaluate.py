@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_support import run_training, tiny_spec, write_spec
+
 from collapse.data import DataConfig, build_dataset
 from collapse.evaluate import (
     PAPER_TASKS,
@@ -27,7 +29,6 @@ from collapse.evaluate import (
 )
 from collapse.runspec import RunSpec
 from collapse.tokenizer import load_tokenizer
-from test_train_support import run_training, tiny_spec, write_spec
 
 VOCAB = 512
 SEQ_LEN = 64

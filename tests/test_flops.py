@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from collapse.flops import attention_flops_per_token, flops_6nd, flops_table9
 from collapse.runspec import ModelArch
 from collapse.scaling import param_count

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse import analysis as A
 from collapse.gates import GateFailed, GatePolicy, calibrate_threshold, require_passed
 from collapse.reference import reference_curve

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from slurm.runspecs import make_spec
+
 from collapse.launch import (
     multinode_command,
     sbatch_request,
@@ -17,7 +19,6 @@ from collapse.launch import (
     slurm_resources,
     train_command,
 )
-from slurm.runspecs import make_spec
 
 SLURM_TEST_DIR = Path(__file__).parent / "slurm"
 

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+
 from collapse import analysis as A
 from collapse.monitor import OnlineMonitor
 from collapse.runspec import RunSpec

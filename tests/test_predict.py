@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse.predict import (
     METHODS,
     Prediction,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse import curves as C
 from collapse.reference import (
     ReferenceCurve,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse import analysis, report
 from collapse.cli import main as cli_main
 from collapse.config import load_config

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+
 from collapse.runspec import ModelArch
 from collapse.scaling import (
     ParamCount,

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from collapse.launch import single_node_command, slurm_resources
 from slurm.cluster import (
     SLURM_TEST_DIR,
     jobs_of_rule,
@@ -24,6 +23,8 @@ from slurm.cluster import (
     wait_until,
 )
 from slurm.runspecs import make_spec
+
+from collapse.launch import single_node_command, slurm_resources
 
 pytestmark = pytest.mark.slurm
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+
 from collapse.predict import METHODS, predict_final_loss
 from collapse.surrogate import eq4_ell
 from collapse.sweep import METRIC_COLUMNS, sweep_metrics, truth_from_predictions, write_sweep_report
