@@ -165,6 +165,11 @@ def init_parameters(
             is_norm_weight = "norm" in name and name.endswith(".weight")
             param.fill_(1.0 if is_norm_weight else 0.0)
             continue
+        if tp_size > 1 and not getattr(param, "tensor_model_parallel", False):
+            raise ValueError(
+                f"megatron_patches.mup.init_parameters: {name} carries no tensor-parallel "
+                "attributes; build the model with perform_initialization=True"
+            )
         source = global_names[name]
         if tied_embeddings and source == "output_layer.weight":
             source = "embedding.word_embeddings.weight"  # the last stage's copy of the embedding

@@ -79,9 +79,10 @@ def transformer_config(spec: RunSpec, on_gpu: bool):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=on_gpu,
-        # megatron_patches.mup.init_parameters initialises every weight after construction
+        # megatron_patches.mup.init_parameters re-initialises every weight after construction;
+        # Megatron's own init must still run: it sets the tensor-parallel attributes it reads
         use_cpu_initialization=True,
-        perform_initialization=False,
+        perform_initialization=True,
     )
 
 

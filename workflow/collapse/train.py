@@ -250,7 +250,9 @@ def build_stack(spec: RunSpec) -> Stack:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
-    use_distributed_optimizer = spec.parallel.dp > 1
+    # The distributed optimizer shards Adam state over data-parallel ranks (GPU only: on CPU its
+    # 0.16.1 checkpoint load copies in place into a grad-requiring view and fails)
+    use_distributed_optimizer = spec.parallel.dp > 1 and on_gpu
     model = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(
@@ -432,11 +434,18 @@ class RunState:
         return cls(**data)
 
 
+# The distributed optimizer (dp > 1) saves each rank's buffers as they are: fully parallel, and
+# reshardable across data-parallel sizes (0.16.1's default format is not loadable on CPU).
+OPTIMIZER_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def sharded_state(stack: Stack, is_loading: bool) -> dict:
     model_state = stack.model.module.sharded_state_dict()
     return {
         "model": model_state,
-        "optimizer": stack.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": stack.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=OPTIMIZER_CHECKPOINT_METADATA
+        ),
         "scheduler": stack.scheduler.state_dict(),
     }
 
@@ -453,10 +462,28 @@ def save_checkpoint(stack: Stack, spec: RunSpec, state: RunState) -> Path:
     return path
 
 
+def prepare_optimizer_state_for_load(stack: Stack) -> None:
+    """Give a fresh distributed optimizer the state entries its state_dict() needs.
+
+    Without Apex/TransformerEngine, 0.16.1's DistributedOptimizer.state_dict() reads the Adam
+    'step' of every parameter, which a never-stepped torch optimizer lacks; the values are
+    replaced by the loaded ones.
+    """
+    for opt in getattr(stack.optimizer, "chained_optimizers", [stack.optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or type(opt).__name__ != "DistributedOptimizer":
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
 def resume(stack: Stack, spec: RunSpec) -> RunState:
     directory = checkpoint.find_resume_point(spec.checkpoint_dir)
     if directory is None:
         return RunState()
+    prepare_optimizer_state_for_load(stack)
     loaded, train_state = checkpoint.load(directory, sharded_state(stack, is_loading=True))
     saved_hash = train_state.pop("spec_hash", None)
     if saved_hash != spec_hash(spec):
@@ -544,7 +571,8 @@ def write_outputs(spec: RunSpec, state: RunState, stack: Stack, steps_target: in
 
 # ------------------------------------------------------------------------------ monitor
 def make_monitor(spec: RunSpec):
-    if not spec.monitor.enabled:
+    """The online collapse monitor (rank 0 only: it owns monitor.jsonl), or None when off."""
+    if not spec.monitor.enabled or rank() != 0:
         return None
     try:
         from collapse.monitor import OnlineMonitor
@@ -555,6 +583,24 @@ def make_monitor(spec: RunSpec):
             EXIT_BAD_INPUT,
         ) from err
     return OnlineMonitor(spec, Path(spec.run_dir) / MONITOR_FILE)
+
+
+def monitor_step(monitor, spec: RunSpec, step: int, loss: float) -> str | None:
+    """Feed the monitor; every monitor.every_steps return its alarm message (all ranks agree)."""
+    if not spec.monitor.enabled:
+        return None
+    every = spec.monitor.every_steps
+    message = None
+    if monitor is not None:
+        monitor.observe(step, step / spec.optim.steps, loss)
+        if every > 0 and step % every == 0:
+            verdict = monitor.check()
+            message = verdict.message if verdict.alarm else None
+    if every > 0 and step % every == 0:
+        box = [message]
+        torch.distributed.broadcast_object_list(box, src=0)
+        message = box[0]
+    return message
 
 
 # ------------------------------------------------------------------------------ signals
@@ -610,6 +656,9 @@ def run(spec: RunSpec) -> int:
     stack = build_stack(spec)
     state = resume(stack, spec)
     monitor = make_monitor(spec)
+    if monitor is not None:  # a resumed run: the monitor sees the whole curve again
+        for row in state.curve:
+            monitor.observe(row["step"], row["t_hat"], row["loss"])
     faults = Faults.of(spec)
     target = steps_target(spec)
     batch_tokens = spec.optim.batch_seqs * spec.model.seq_len
@@ -686,20 +735,15 @@ def run(spec: RunSpec) -> int:
                 }
             )
             log(f"step {step} valid_loss {valid_loss:.4f}")
-        if monitor is not None:
-            monitor.observe(step, step / total, loss)
-            every = spec.monitor.every_steps
-            if every > 0 and step % every == 0:
-                verdict = monitor.check()
-                if verdict.alarm:
-                    log(f"collapse monitor alarm at step {step}: {verdict.message}")
-                    if spec.monitor.stop_on_alarm:
-                        update_wall_time()
-                        save_checkpoint(stack, spec, state)
-                        raise TrainingError(
-                            f"collapse monitor alarm at step {step}: {verdict.message}",
-                            EXIT_MONITOR_ALARM,
-                        )
+        alarm = monitor_step(monitor, spec, step, loss)
+        if alarm is not None:
+            log(f"collapse monitor alarm at step {step}: {alarm}")
+            if spec.monitor.stop_on_alarm:
+                update_wall_time()
+                save_checkpoint(stack, spec, state)
+                raise TrainingError(
+                    f"collapse monitor alarm at step {step}: {alarm}", EXIT_MONITOR_ALARM
+                )
         if stop_any:
             update_wall_time()
             save_checkpoint(stack, spec, state)
