@@ -25,7 +25,19 @@ from collapse.plan import plan_family
 from collapse.surrogate import SurrogateParams, synthetic_loss
 
 REPO = Path(__file__).resolve().parents[1]
-OVERRIDES = ["family=tiny", "family.tpp=[10,20]", "family.tau=[0.2,0.1]"]
+SIZES = ",".join(
+    f"{{name: d{d}, d_model: {d}, n_layers: 2, n_heads: {d // 16}}}"
+    for d in (64, 96, 128, 192, 256)
+)
+# The tree's own family (tiny's settings with these sizes), so the test does not follow tiny.
+OVERRIDES = [
+    "family=tiny",
+    f"family.sizes=[{SIZES}]",
+    "family.reference.sizes=[d64,d96]",
+    "family.sweeps.0.size=d128",
+    "family.tpp=[10,20]",
+    "family.tau=[0.2,0.1]",
+]
 FAULTY = "d256-tpp10-s0"  # its loss rises 3 % over the last 40 % of training
 PARTIAL = "d192-tpp20-s0"  # stopped at 70 % of its schedule (still training)
 PARTIAL_T_HAT = 0.7
