@@ -23,7 +23,7 @@ from slurm.cluster import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.ci]
 
 FAMILY = "smoke"
 CANCELLED_RUN = "d64-tpp4-s0"  # monitored: it trains after the reference exists
