@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -25,11 +26,14 @@ def megatron_world():
     megatron_patches.apply()
     from megatron.core import parallel_state, tensor_parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
     created = not torch.distributed.is_initialized()
     if created:
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        with socket.socket() as sock:  # a free port: a fixed one can be taken (flaky setup)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     yield

@@ -58,6 +58,7 @@ def test_stop_fraction_keeps_the_full_schedule(tmp_path: Path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("activation", "positions", "tied", "kind"),
     [("swiglu", "alibi", False, "completep"), ("squared_relu", "learned", True, "sp")],
