@@ -89,9 +89,9 @@ def _free_port() -> int:
 def init_distributed(spec: RunSpec) -> None:
     """Process group (nccl on GPU, gloo on CPU) and Megatron's model-parallel groups."""
     if "RANK" not in os.environ:  # plain `python -m collapse.train`: a world of one
+        # A free port of its own: an inherited MASTER_PORT may belong to another job.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     par = spec.parallel
     world = int(os.environ["WORLD_SIZE"])
     if world != par.tp * par.pp * par.dp:
