@@ -69,6 +69,8 @@ def test_sweep_predictions_and_metrics(smoke):
     assert set(preds.fraction) == {0.2, 0.3}
     metrics = pd.read_csv(smoke / "sweeps" / "tau" / "metrics.csv")
     assert metrics[metrics.method == "collapse"].selected_run.str.startswith("sweep-tau").all()
+    error = metrics[metrics.fraction == 0.3].set_index("method").mean_abs_error_pct
+    assert error["collapse"] < error["current"]  # the method beats the loss-now baseline
 
 
 def test_evaluation_results(smoke):
@@ -92,3 +94,12 @@ def test_rerun_has_nothing_to_do(smoke):
     out = snakemake(smoke.parent.parent, "-n")
     assert out.returncode == 0
     assert "Nothing to be done" in out.stdout + out.stderr
+
+
+def test_snakemake_html_report_has_every_figure(smoke, tmp_path):
+    html = tmp_path / "report.html"
+    out = snakemake(smoke.parent.parent, "--report", str(html))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = html.read_text(errors="replace")
+    for name in ("collapse_curves.png", "delta_sigma.png", "downstream_vs_flops.png"):
+        assert name in text
