@@ -4,6 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Every tool the jobs call (collapse, python, torchrun) comes from the venv.
+export PATH := $(abspath $(BIN)):$(PATH)
 # The default test run plus the end-to-end tests CI can afford (marked `ci`).
 PYTEST_SELECT ?= not slow or ci
 

@@ -7,12 +7,19 @@ run; a bad spec stops here, before any job, with a message naming the field and 
 import hashlib
 import os
 import shlex
+import sys
 
 from snakemake.exceptions import WorkflowError
 
 from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import plan_family, reference_csv
+
+# Jobs call `collapse`, `python` and `torchrun`: those of the environment running Snakemake,
+# also when it was started as .venv/bin/snakemake without activating the venv.
+os.environ["PATH"] = os.pathsep.join(
+    [os.path.dirname(sys.executable), os.environ["PATH"]]
+)
 
 try:
     OVERRIDES = hydra_overrides(config)
