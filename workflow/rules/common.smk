@@ -15,6 +15,11 @@ from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import plan_family, reference_csv
 
+
+envvars:
+    "PATH",
+
+
 # Jobs call `collapse`, `python` and `torchrun`: those of the environment running Snakemake,
 # also when it was started as .venv/bin/snakemake without activating the venv.
 os.environ["PATH"] = os.pathsep.join(
