@@ -39,6 +39,32 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected, or a save failed."""
 
 
+def lock_run(checkpoint_dir: str | Path):
+    """Hold an exclusive lock on a run's checkpoint folder for the life of the process.
+
+    Two trainings of one run would remove each other's saves in progress; the second one is
+    refused instead. Returns the open lock file (keep a reference), or raises CheckpointError.
+    """
+    import fcntl
+
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    handle = (root / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise CheckpointError(
+            f"another training of this run is already running (it holds {root / '.lock'}); "
+            "wait for it to finish or stop it, then rerun"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
 def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
@@ -142,6 +168,7 @@ def save(
 ) -> Path:
     """Save collectively (every rank calls it); return the published directory."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     root = Path(checkpoint_dir)
     tmp = root / f"{_TMP_PREFIX}{step:08d}"
@@ -152,7 +179,14 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    dist_checkpointing.save(sharded_state, str(tmp))
+    try:
+        dist_checkpointing.save(sharded_state, str(tmp))
+    except (Exception, CheckpointException) as err:  # disk full, quota, I/O: the last one stands
+        raise CheckpointError(
+            f"saving the step-{step} checkpoint into {tmp} failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); the previous checkpoint in "
+            f"{root} is intact. Check free disk space there, then rerun to resume"
+        ) from err
     _barrier()
     if _is_rank0():
         torch.save(train_state, tmp / TRAIN_STATE)

@@ -51,6 +51,7 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_MONITOR_ALARM = 3
 EXIT_NONFINITE = 4
+EXIT_SAVE_FAILED = 5  # a checkpoint could not be written; the previous one is intact
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again", the job resumes from its checkpoint
 
 CURVE_FILE, VALID_FILE, META_FILE = "curve.parquet", "valid.parquet", "meta.json"
@@ -451,13 +452,16 @@ def sharded_state(stack: Stack, is_loading: bool) -> dict:
 
 
 def save_checkpoint(stack: Stack, spec: RunSpec, state: RunState) -> Path:
-    path = checkpoint.save(
-        spec.checkpoint_dir,
-        state.step,
-        sharded_state(stack, is_loading=False),
-        {"spec_hash": spec_hash(spec), **state.to_dict()},
-        keep=spec.logging.keep_checkpoints,
-    )
+    try:
+        path = checkpoint.save(
+            spec.checkpoint_dir,
+            state.step,
+            sharded_state(stack, is_loading=False),
+            {"spec_hash": spec_hash(spec), **state.to_dict()},
+            keep=spec.logging.keep_checkpoints,
+        )
+    except checkpoint.CheckpointError as err:
+        raise TrainingError(str(err), EXIT_SAVE_FAILED) from err
     log(f"checkpoint saved: {path}")
     return path
 
@@ -643,6 +647,11 @@ def run(spec: RunSpec) -> int:
     patches = megatron_patches.apply()
     stop = StopFlag()
     verify_datasets(spec)
+    if int(os.environ.get("RANK", "0")) == 0:  # one training per run (the job's rank 0 holds it)
+        try:
+            run_lock = checkpoint.lock_run(spec.checkpoint_dir)  # noqa: F841 (held until exit)
+        except checkpoint.CheckpointError as err:
+            raise TrainingError(str(err), EXIT_BAD_INPUT) from None
     init_distributed(spec)
     log(
         f"run {spec.run}: params {spec.params:,} tokens {spec.optim.tokens:,} steps "
