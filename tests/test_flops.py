@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from archs import small_arch
 
 from collapse.flops import attention_flops_per_token, flops_6nd, flops_table9
 from collapse.runspec import ModelArch
 from collapse.scaling import param_count
-
-
-def small_arch(**overrides) -> ModelArch:
-    fields = dict(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        head_dim=16,
-        ffn_hidden=256,
-        activation="gelu",
-        positions="learned",
-        vocab_size=100,
-        seq_len=32,
-        tied_embeddings=True,
-    )
-    fields.update(overrides)
-    return ModelArch(**fields)
 
 
 def test_flops_6nd():

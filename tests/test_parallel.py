@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from archs import small_arch
 
 from collapse.parallel import (
     GIB,
@@ -20,23 +21,6 @@ from collapse.runspec import ModelArch
 from collapse.scaling import param_count
 
 N_SMALL = 108_544  # tests/test_scaling.py: word 6400, positions 2048, body 100096
-
-
-def small_arch(**overrides) -> ModelArch:
-    fields = dict(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        head_dim=16,
-        ffn_hidden=256,
-        activation="gelu",
-        positions="learned",
-        vocab_size=100,
-        seq_len=32,
-        tied_embeddings=True,
-    )
-    fields.update(overrides)
-    return ModelArch(**fields)
 
 
 def test_stage_params_by_hand():

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from archs import small_arch as arch
 
 from collapse.runspec import ModelArch
 from collapse.scaling import (
@@ -34,23 +35,6 @@ CELERITY = [
     ("1.8B", 1536, 12, 128, 30, 464),
     ("3.9B", 2048, 16, 128, 40, 672),
 ]
-
-
-def arch(**overrides) -> ModelArch:
-    fields = dict(
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        head_dim=16,
-        ffn_hidden=256,
-        activation="gelu",
-        positions="learned",
-        vocab_size=100,
-        seq_len=32,
-        tied_embeddings=True,
-    )
-    fields.update(overrides)
-    return ModelArch(**fields)
 
 
 def celerity_arch(d_model: int, heads: int, head_dim: int, layers: int) -> ModelArch:
