@@ -263,6 +263,16 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a figure."""
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def plot_collapse(
     path: str | Path,
     matrix: C.CurveMatrix,
@@ -335,12 +345,7 @@ def plot_collapse(
     bottom.legend(fontsize=8, ncol=2)
     bottom.grid(alpha=0.3, which="both")
     bottom.set_xlim(0, 1)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_residuals(
@@ -376,12 +381,7 @@ def plot_residuals(
     ax.set_xlim(0, 1)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_reference(
@@ -419,12 +419,7 @@ def plot_reference(
     ax.set_ylabel("normalized loss ℓ = L / L(T)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------- rule entry points
