@@ -12,13 +12,9 @@ hook can show.
 
 from __future__ import annotations
 
-import socket
-
-import pytest
 import torch
 from test_train_support import VOCAB, tiny_spec
 
-import megatron_patches
 from collapse.scaling import mup_parameterization
 
 WIDTHS = (64, 128, 256, 512)
@@ -40,29 +36,6 @@ SIGMA, ETA, ALPHA_IN, ALPHA_OUT = 8.67e-2, 1.62e-2, 9.17, 1.095
 MUP_MAX_RATIO = 2.0  # every coordinate, both ways
 SP_MIN_LAYER_RATIO = 10.0  # more than the width ratio (8)
 SP_MIN_LOGIT_RATIO = 1.5
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    """Patches applied, a gloo world of one, Megatron's model-parallel groups (TP=PP=1)."""
-    megatron_patches.apply()
-    from megatron.core import parallel_state, tensor_parallel
-
-    torch.set_num_threads(1)
-    created = not torch.distributed.is_initialized()
-    if created:
-        with socket.socket() as sock:  # a free port of its own
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        torch.distributed.destroy_process_group()
 
 
 def coord_spec(root, d_model: int, kind: str):
