@@ -58,6 +58,20 @@ def test_celerity_matches_the_paper_table():
     assert [s.d_model // s.n_heads for s in fam.sizes] == [64, 64, 128, 128, 128]
 
 
+def test_gates_enforce_reaches_the_gate_policy():
+    """The family's gates block reaches the gate stage's policy unchanged (tiny: advisory)."""
+    import json
+
+    from collapse.gates import GatePolicy
+
+    tiny = load_config([]).family.gates
+    assert tiny.enforce is False  # the CPU demo does not collapse; its verdicts do not block
+    policy = GatePolicy.model_validate(json.loads(tiny.model_dump_json()))
+    assert policy.enforce is False and policy.k_sigma == tiny.k_sigma
+    smoke = load_config(["family=smoke"]).family.gates
+    assert GatePolicy.model_validate(json.loads(smoke.model_dump_json())).enforce is True
+
+
 def test_hydra_overrides_reach_the_spec():
     cfg = load_config(["family.tpp=[5,10]", "family.tau=[0.3]", "family.seeds=[3]"])
     assert cfg.family.tpp == [5, 10] and cfg.family.tau == [0.3] and cfg.family.seeds == [3]

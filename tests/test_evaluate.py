@@ -138,6 +138,16 @@ def test_task_files_render_to_the_installed_packages(tmp_path: Path):
         task_template("lambada")
 
 
+def test_the_configs_default_tasks_are_the_evaluators_tasks():
+    """A family that names no tasks evaluates all seven: each must have a task file (the tiny
+    family once failed at its first evaluation on a name only the config knew)."""
+    from collapse.config import EvaluationSpec
+
+    for name in EvaluationSpec().tasks:
+        assert task_template(name)
+    assert EvaluationSpec().tasks == list(PAPER_TASKS)
+
+
 def test_unknown_task_is_refused_by_the_cli(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--spec", "s.json", "--out", "o.json", "--tasks", "lambada"])

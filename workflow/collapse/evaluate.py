@@ -54,19 +54,11 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from collapse.runspec import RunSpec
+from collapse.tasks import PAPER_TASK_SHOTS
 
 # torch, Megatron and lm-eval are imported where used: `collapse --help` imports this module.
 
-# The paper's tasks and shot counts (PAPER.md section 8); each has eval_tasks/<name>.yaml.
-PAPER_TASKS = {
-    "arc_challenge": 25,
-    "arc_easy": 0,
-    "boolq": 0,
-    "hellaswag": 10,
-    "piqa": 0,
-    "siqa": 0,
-    "winogrande": 5,
-}
+PAPER_TASKS = PAPER_TASK_SHOTS  # name -> shots; each has eval_tasks/<name>.yaml
 TASK_PREFIX = "collapse_"  # lm-eval task name = TASK_PREFIX + paper name
 DEFAULT_BATCH_SIZE = 16  # sequences per forward
 DEFAULT_HELDOUT_SEQUENCES = 128

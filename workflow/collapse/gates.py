@@ -179,7 +179,7 @@ def evaluate_gate(
         )
     status = "pass" if passed else ("fail" if policy.enforce else "overridden")
     if status == "overridden":
-        message += "; not enforced for this run (gate override in the config)"
+        message += "; not enforced (family.gates.enforce=false or allow_fail in the config)"
     return GateVerdict(
         passed=passed,
         status=status,

@@ -27,7 +27,9 @@ def _gate(args: argparse.Namespace) -> int:
     from collapse.analysis import gate_run
     from collapse.gates import GatePolicy
 
-    policy = GatePolicy.model_validate({**json.loads(args.policy), "enforce": not args.allow_fail})
+    given = json.loads(args.policy)
+    enforce = given.get("enforce", True) and not args.allow_fail
+    policy = GatePolicy.model_validate({**given, "enforce": enforce})
     verdict = gate_run(args.curve, args.reference, args.runs, policy, args.out, args.plot)
     print(verdict.message)
     return 0  # the verdict is the output; downstream rules refuse a failed one
