@@ -194,8 +194,6 @@ class GateSpec(_Spec):
     stop_on_alarm: bool = False
 
 
-
-
 class EvaluationSpec(_Spec):
     """Downstream evaluation (lm-evaluation-harness, offline); ``limit`` examples per task."""
 
