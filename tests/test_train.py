@@ -119,3 +119,37 @@ def test_faults_resolve_to_steps(tmp_path: Path):
     assert faults("data_repeat", 0.0).data_step(100) == 1
     assert faults("data_repeat", 0.25).data_step(120) == 70
     assert faults("nan").poisons_loss(100) and not faults("nan").poisons_loss(101)
+    assert faults("loss_kernel", 0.875).kept_every(99) == 1
+    assert faults("loss_kernel", 0.875).kept_every(100) == 8
+    assert off.kept_every(150) == 1
+
+
+def test_a_fault_runs_nan_is_its_outcome_not_a_failure(tmp_path: Path):
+    """role=fault: the NaN ends the run with its curve written (the experiment measures it)."""
+    from collapse.runspec import FaultInjection
+
+    fault = FaultInjection(kind="nan", at_fraction=0.5, name="nan")
+    spec = tiny_spec(tmp_path, steps=10, fault=fault).model_copy(update={"role": "fault"})
+    proc = run_training(spec, tmp_path)
+    _ok(proc)
+    curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet")
+    assert list(curve.step) == [1, 2, 3, 4, 5] and math.isnan(curve.loss.iloc[-1])
+    assert curve.loss.iloc[:-1].notna().all()
+    meta = json.loads((Path(spec.run_dir) / "meta.json").read_text())
+    assert meta["stopped"] == "nonfinite" and meta["steps_done"] == 5
+
+
+def test_loss_kernel_fault_changes_training_only_from_its_step(tmp_path: Path):
+    """The broken reduction leaves every step before the fault bit-identical, then the run
+    trains on 1 token in 8 (a different, noisier curve, not NaN and not a shift)."""
+    from collapse.runspec import FaultInjection
+
+    clean = tiny_spec(tmp_path / "clean", steps=12)
+    fault = FaultInjection(kind="loss_kernel", at_fraction=0.5, magnitude=0.875)
+    broken = tiny_spec(tmp_path / "broken", steps=12, fault=fault)
+    _ok(run_training(clean, tmp_path / "clean"))
+    _ok(run_training(broken, tmp_path / "broken"))
+    a, b = losses(clean), losses(broken)
+    assert a[:5] == b[:5]  # steps 1-5 (the fault starts at step 6)
+    assert all(x != y for x, y in zip(a[6:], b[6:], strict=True))
+    assert all(math.isfinite(y) for y in b)

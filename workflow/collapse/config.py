@@ -166,6 +166,53 @@ class SweepSpec(_Spec):
         return grid
 
 
+FAULT_KINDS = ("loss_kernel", "lr_spike", "data_repeat", "nan", "wrong_tau")
+
+
+class FaultSpec(_Spec):
+    """One injected fault (collapse.train.Faults says what each kind does to the run).
+
+    magnitude: loss_kernel, the share of tokens the broken reduction drops (0.875: keeps 1 in 8);
+    lr_spike, the LR factor for 1 % of the schedule; data_repeat, how far the data rewinds as a
+    fraction of training (0: to the start); nan and wrong_tau ignore it. wrong_tau is a planning
+    fault: the size keeps the smallest size's weight decay (lambda not rescaled, so tau drifts).
+    """
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$")]
+    kind: Literal[FAULT_KINDS]
+    magnitude: Annotated[float, Field(ge=0)] = 0.0
+    at_fraction: Annotated[float, Field(gt=0, lt=1)] | None = None  # default: the experiment's
+
+
+class DetectorSpec(_Spec):
+    """The raw-loss detectors the collapse monitor is compared with (issue: fault detection)."""
+
+    # OLMo-core's StabilityMonitorCallback defaults: a spike is a loss above the mean of the
+    # previous 128 values by more than 6 standard deviations.
+    spike_window_steps: PositiveInt = 128
+    spike_k_sigma: PositiveFloat = 6.0
+    # A smoothed raw-loss rise: the 100-step trailing mean (the paper's smoothing) above its
+    # running minimum by more than rise_margin (relative).
+    rise_window_steps: PositiveInt = 100
+    rise_margin: PositiveFloat = 0.01
+    # How often the collapse monitor is checked while replaying a curve (fraction of training).
+    monitor_every_fraction: Annotated[float, Field(gt=0, le=0.1)] = 0.01
+
+
+class FaultExperimentSpec(_Spec):
+    """Faults injected into one size (default: the largest) plus clean seeds of that size, to
+    measure when the collapse monitor and the raw-loss detectors fire."""
+
+    size: str | None = None
+    tpp: PositiveFloat | None = None  # default: the family's first band
+    clean_seeds: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [0, 1, 2], min_length=1
+    )
+    at_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.55
+    injections: list[FaultSpec] = Field(min_length=1)
+    detectors: DetectorSpec = Field(default_factory=DetectorSpec)
+
+
 class TrainingSpec(_Spec):
     """Knobs of the training job that are not scaling rules."""
 
@@ -219,6 +266,7 @@ class FamilySpec(_Spec):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     gates: GateSpec = Field(default_factory=GateSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    faults: FaultExperimentSpec | None = None  # the fault-detection experiment; off by default
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> FamilySpec:
@@ -265,6 +313,23 @@ class FamilySpec(_Spec):
                     f"sweeps[{sweep.name}].grid: tau and weight_decay set the same thing "
                     "(tau = B/(eta lambda D)); sweep one of them"
                 )
+        if self.faults is not None:
+            f = self.faults
+            if f.size is not None and f.size not in names:
+                problems.append(
+                    f"faults.size: {f.size!r} is not a size of the family"
+                    f"{_did_you_mean(f.size, names)}"
+                )
+            if f.tpp is not None and f.tpp not in self.tpp:
+                problems.append(f"faults.tpp: {f.tpp} is not one of the bands {self.tpp}")
+            if len({i.name for i in f.injections}) != len(f.injections):
+                problems.append("faults.injections: two faults share a name; names must be unique")
+            target = f.size if f.size in names else self.fault_size().name
+            if target in self.reference.sizes:
+                problems.append(
+                    f"faults.size: {target!r} builds the reference; inject faults into a size "
+                    "the reference does not use"
+                )
         if len({s.name for s in self.sweeps}) != len(self.sweeps):
             problems.append("sweeps: two sweeps share a name; names must be unique")
         if problems:
@@ -273,6 +338,12 @@ class FamilySpec(_Spec):
 
     def size(self, name: str) -> SizeSpec:
         return next(s for s in self.sizes if s.name == name)
+
+    def fault_size(self) -> SizeSpec:
+        """The size the fault experiment uses: the one named, else the largest."""
+        if self.faults is not None and self.faults.size is not None:
+            return self.size(self.faults.size)
+        return max(self.sizes, key=lambda s: s.n_layers * s.d_model**2)
 
     def tau_for(self, tpp: float) -> float | TauPowerLaw:
         if isinstance(self.tau, TauPowerLaw):
@@ -333,17 +404,20 @@ def hydra_overrides(snakemake_config: dict[str, Any]) -> list[str]:
     ``overrides`` is a list (``'overrides=["family.tpp=[10]"]'``) or a space-separated string.
     """
     out = []
-    for group in ("family", "cluster"):
+    for group in ("family", "cluster", "faults"):
         if snakemake_config.get(group):
             out.append(f"{group}={snakemake_config[group]}")
     extra = snakemake_config.get("overrides") or []
     if isinstance(extra, str):
         extra = shlex.split(extra)
     out.extend(str(o) for o in extra)
-    unknown = sorted(set(snakemake_config) - {"family", "cluster", "overrides", "results"})
+    unknown = sorted(
+        set(snakemake_config) - {"family", "cluster", "faults", "overrides", "results"}
+    )
     if unknown:
         raise ConfigError(
-            f"--config: unknown keys {unknown}; use family=NAME, cluster=NAME, results=DIR, or "
+            f"--config: unknown keys {unknown}; use family=NAME, cluster=NAME, faults=standard, "
+            "results=DIR, or "
             "'overrides=[\"family.tpp=[10]\"]' for any other field"
         )
     if snakemake_config.get("results"):

@@ -89,5 +89,9 @@ class FamilyLayout:
         return self.root / "gates" / f"{run}.json"
 
     @property
+    def faults_dir(self) -> Path:
+        return self.root / "faults"
+
+    @property
     def report_dir(self) -> Path:
         return self.root / "report"

@@ -216,6 +216,16 @@ class OnlineMonitor:
         self._write(verdict)
         return verdict
 
+    def residuals(self) -> tuple[np.ndarray, np.ndarray]:
+        """r(t_hat) at every step seen so far (NaN before the run is aligned), for figures."""
+        t = np.asarray(self._t_hat, dtype=float)
+        if not len(t):
+            return t, t.copy()
+        aligned = self._aligned if self._aligned is not None else math.nan
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = (self._smoothed(0) - self.offset) / (aligned - self.offset)
+        return t, r - self.reference.at(t)
+
     def _write(self, verdict: MonitorVerdict) -> None:
         record = {
             k: (_finite(v) if isinstance(v, float) else v) for k, v in asdict(verdict).items()

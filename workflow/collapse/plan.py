@@ -33,6 +33,7 @@ from collapse.config import (
 )
 from collapse.layout import FamilyLayout
 from collapse.runspec import (
+    FaultInjection,
     Logging,
     ModelArch,
     Monitor,
@@ -49,7 +50,7 @@ RUNS_COLUMNS = [
     "params", "params_non_embedding", "tokens", "seq_len", "batch_seqs", "steps", "lr_peak",
     "weight_decay", "tau", "warmup_steps", "stop_fraction", "flops_6nd", "flops", "tp", "pp", "dp",
     "micro_batch_seqs", "grad_accum", "gpus", "nodes", "wall_hours", "gpu_hours", "epochs",
-    "memory_gb_per_gpu", "is_reference", "monitored",
+    "memory_gb_per_gpu", "is_reference", "monitored", "fault",
 ]  # fmt: skip
 
 
@@ -81,6 +82,10 @@ def sweep_run_name(sweep: SweepSpec, size: str, variant: dict[str, float]) -> st
 
 def sweep_reference_name(sweep: SweepSpec, size: str, tau: float) -> str:
     return f"sweepref-{sweep.name}-{size}-tau{tau:.4g}-s{sweep.seed}"
+
+
+def fault_run_name(fault: str, size: str, seed: int) -> str:
+    return f"fault-{fault}-{size}-s{seed}"
 
 
 def reference_csv(layout: FamilyLayout, tpp: float) -> Path:
@@ -122,6 +127,7 @@ def plan_run(
     sweep: SweepSpec | None = None,
     variant: dict[str, float] | None = None,
     role: str | None = None,
+    fault: FaultInjection | None = None,
 ) -> tuple[RunSpec, dict]:
     """One run's spec plus the plan-only facts (wall time, memory, epochs) for runs.csv."""
     family, cluster = cfg.family, cfg.cluster
@@ -207,12 +213,14 @@ def plan_run(
     runtime_min = max(
         cluster.min_runtime_min, math.ceil(wall_hours_run * 60 * cluster.runtime_margin)
     )
-    is_reference = size.name in family.reference.sizes and sweep is None
+    is_reference = size.name in family.reference.sizes and sweep is None and role != "fault"
     monitored = family.gates.monitor and not is_reference and sweep is None
     if role == "family":
         name = run_name(size.name, tpp, seed)
     elif role == "sweep":
         name = sweep_run_name(sweep, size.name, variant)
+    elif role == "fault":
+        name = fault_run_name(fault.name, size.name, seed)
     else:
         name = sweep_reference_name(sweep, size.name, tau)
     every = lambda fraction: max(1, round(steps * fraction))  # noqa: E731
@@ -281,6 +289,7 @@ def plan_run(
             every_steps=every(family.gates.monitor_every_fraction) if monitored else 0,
             stop_on_alarm=family.gates.stop_on_alarm,
         ),
+        fault=fault or FaultInjection(),
     )
     facts = {
         "wall_hours": wall_hours_run,
@@ -289,6 +298,7 @@ def plan_run(
         "memory_gb_per_gpu": (lay.memory.total / 2**30) if lay.memory is not None else 0.0,
         "is_reference": is_reference,
         "monitored": monitored,
+        "fault": spec.fault.name if role == "fault" else "",
     }
     return spec, facts
 
@@ -369,11 +379,61 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
                         role="sweep_reference",
                     )  # fmt: skip
                 )
+        for spec, facts in plan_fault_experiment(cfg, corpus_tokens):
+            add(spec, facts)
     except parallel.LayoutError as err:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
     _check_ranges(runs)
     table = pd.DataFrame(rows, columns=RUNS_COLUMNS)
     return Plan(config=cfg, runs=tuple(runs), table=table)
+
+
+def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
+    """The fault-detection experiment: each injected fault in one size (default: the largest),
+    seed 0 (the family's own run of that size is its clean twin), plus clean seeds of that size
+    the family does not train already. wrong_tau keeps the smallest size's weight decay."""
+    family = cfg.family
+    spec = family.faults
+    if spec is None:
+        return []
+    size = family.fault_size()
+    tpp = spec.tpp if spec.tpp is not None else family.tpp[0]
+    out = []
+    own_seeds = family.reference.seeds if size.name in family.reference.sizes else family.seeds
+    for seed in spec.clean_seeds:
+        if seed not in own_seeds:
+            clean = FaultInjection(name="clean")
+            out.append(
+                plan_run(
+                    cfg, size, tpp, seed, corpus_tokens=corpus_tokens, role="fault", fault=clean
+                )
+            )
+    smallest = min(family.sizes, key=lambda s: s.n_layers * s.d_model**2)
+    for injection in spec.injections:
+        at = injection.at_fraction if injection.at_fraction is not None else spec.at_fraction
+        fault = FaultInjection(
+            kind=injection.kind,
+            at_fraction=0.0 if injection.kind == "wrong_tau" else at,
+            magnitude=injection.magnitude,
+            name=injection.name,
+        )
+        variant = {}
+        if injection.kind == "wrong_tau":  # lambda as tuned at the smallest size, not rescaled
+            small, _ = plan_run(cfg, smallest, tpp, 0, corpus_tokens=corpus_tokens)
+            variant = {"weight_decay": small.optim.weight_decay}
+        out.append(
+            plan_run(
+                cfg,
+                size,
+                tpp,
+                0,
+                corpus_tokens=corpus_tokens,
+                role="fault",
+                fault=fault,
+                variant=variant,
+            )  # fmt: skip
+        )
+    return out
 
 
 def _check_ranges(runs: Iterable[RunSpec]) -> None:
@@ -476,7 +536,8 @@ def plan_report_markdown(plan: Plan) -> str:
         fam.description,
         "",
         f"- runs: {len(t)} ({(t.role == 'family').sum()} family, "
-        f"{(t.role != 'family').sum()} sweep)",
+        f"{t.role.isin(['sweep', 'sweep_reference']).sum()} sweep, "
+        f"{(t.role == 'fault').sum()} fault experiment)",
         f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; "
         f"6ND: {_si(t.flops_6nd.sum())}",
         f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",

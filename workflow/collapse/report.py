@@ -55,6 +55,8 @@ FIGURES = {
     "training it ran, per prediction method; horizontal lines: true final losses.",
     "sweep_metrics": "Prediction error against training fraction and selection regret against "
     "compute, per method.",
+    "fault_detection": "Injected faults in one size: raw loss (top) and residual against the "
+    "reference (bottom), with the fault start and each detector's first alarm.",
     "downstream_vs_flops": "Average downstream accuracy (7 tasks) against training FLOPs: this "
     "family, Celerity and published open models, with the Pareto frontier.",
 }
@@ -66,6 +68,7 @@ TABLES = {
     "gates": "Gate verdict of every gated run.",
     "sweep_metrics": "Early-stopping metrics per sweep, method and training fraction.",
     "sweep_predictions": "Predicted final loss per sweep variant, fraction and method.",
+    "detections": "First alarm of each detector on every fault run and clean seed.",
     "downstream": "Downstream accuracy (%) and training FLOPs of every model in the accuracy "
     "figure; on_frontier marks the Pareto frontier.",
 }
@@ -950,6 +953,19 @@ def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> lis
         )
     else:
         rep.missing.append("sweeps: no sweeps/<name>/predictions.csv (no sweep run yet, or none)")
+
+    # fault-detection experiment (when the family has one)
+    faults = layout.faults_dir
+    if (faults / "detections.csv").is_file() and (faults / "detections.png").is_file():
+        png = Path(shutil.copy2(faults / "detections.png", out / "fault_detection.png"))
+        pdf = faults / "detections.pdf"
+        pdf = Path(shutil.copy2(pdf, out / "fault_detection.pdf")) if pdf.is_file() else png
+        md = Path(shutil.copy2(faults / "detections.md", out / "detections.md"))
+        csv = Path(shutil.copy2(faults / "detections.csv", out / "detections.csv"))
+        rep.files += [png, md, csv] + ([pdf] if pdf != png else [])
+        rep.sections.append(
+            _section("Fault detection", [("fault_detection", (png, pdf))], [("detections", md)])
+        )
 
     # (e) downstream accuracy against FLOPs
     if not evals:

@@ -121,11 +121,18 @@ class Monitor(_Strict):
 
 
 class FaultInjection(_Strict):
-    """Off by default; see the reliability experiment."""
+    """Off by default; the fault-detection experiment (collapse.train.Faults) turns it on.
 
-    kind: Literal["none", "loss_bias", "lr_spike", "data_repeat", "nan"] = "none"
+    ``wrong_tau`` is realized by the plan (the weight decay in ``optim``); training ignores it.
+    ``name`` labels the experiment's runs ("clean" for its clean seeds).
+    """
+
+    kind: Literal[
+        "none", "loss_bias", "loss_kernel", "lr_spike", "data_repeat", "nan", "wrong_tau"
+    ] = "none"
     at_fraction: float = 0.0
     magnitude: float = 0.0
+    name: str = ""
 
 
 class RunSpec(_Strict):
@@ -134,7 +141,7 @@ class RunSpec(_Strict):
     size: str
     tpp_band: float  # the requested TPP
     tpp: float  # realized TPP = tokens / params
-    role: Literal["family", "sweep", "sweep_reference"] = "family"
+    role: Literal["family", "sweep", "sweep_reference", "fault"] = "family"
     sweep: str = ""
     variant: dict[str, float] = Field(default_factory=dict)
     params: int  # N, all parameters, embeddings included

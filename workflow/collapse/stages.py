@@ -108,6 +108,20 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _detect(args: argparse.Namespace) -> int:
+    from collapse.config import DetectorSpec
+    from collapse.detect import run_experiment, summary_lines
+    from collapse.gates import GatePolicy
+    from collapse.runspec import RunSpec
+
+    specs = [RunSpec.load(path) for path in args.specs]
+    policy = GatePolicy.model_validate(json.loads(args.policy))
+    detectors = DetectorSpec.model_validate_json(args.detectors)
+    detections = run_experiment(specs, policy, detectors, args.out)
+    print("\n".join(summary_lines(detections)))
+    return 0
+
+
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     stage = subparsers.add_parser(
         "stage",
@@ -159,6 +173,15 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", default="", help="comma-separated task names (default: all seven)")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser(
+        "detect", help="fault-detection experiment: collapse monitor vs raw-loss detectors"
+    )
+    p.add_argument("--policy", required=True, help="the family's gates block (JSON)")
+    p.add_argument("--detectors", required=True, help="the faults.detectors block (JSON)")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("specs", nargs="+", type=Path, help="run specs: fault runs and clean seeds")
+    p.set_defaults(func=_detect)
 
     p = sub.add_parser("report", help="every figure and table of a family")
     p.add_argument("--root", type=Path, required=True, help="results/<family>")

@@ -335,13 +335,35 @@ class Faults:
         """nan: the training loss of the fault step is NaN (gradients too)."""
         return self.kind == "nan" and step == self.step
 
+    def kept_every(self, step: int) -> int:
+        """loss_kernel (the paper's failure: a loss kernel that goes wrong at the micro-batch
+        size of a restart): from the fault step the loss is reduced over every k-th token only,
+        k = 1/(1 - magnitude). The reported loss stays unbiased; the gradients are noisier, so
+        the run falls behind slowly instead of spiking. 1: every token counts."""
+        if self.kind != "loss_kernel" or step < self.step or self.magnitude <= 0:
+            return 1
+        return max(1, round(1.0 / max(1e-6, 1.0 - self.magnitude)))
+
+    def loss_fault(self, step: int) -> LossFault:
+        return LossFault(poison=self.poisons_loss(step), kept_every=self.kept_every(step))
+
+
+@dataclass(frozen=True)
+class LossFault:
+    """What a fault does to one step's loss reduction (nothing by default)."""
+
+    poison: bool = False
+    kept_every: int = 1
+
 
 # ------------------------------------------------------------------------------ steps
-def _loss_func(loss_mask: torch.Tensor, poison: bool):
+def _loss_func(loss_mask: torch.Tensor, fault: LossFault):
     def loss_func(per_token_loss: torch.Tensor):
         mask = loss_mask.float().reshape(-1)
+        if fault.kept_every > 1:  # the loss_kernel fault: a strided subset of the tokens
+            mask = mask * (torch.arange(mask.numel()) % fault.kept_every == 0).to(mask)
         loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-        if poison:
+        if fault.poison:
             loss = loss * float("nan")
         # the pipeline schedule divides the returned loss in place: report a clone
         return loss, {"lm loss": loss.detach().clone()}
@@ -349,11 +371,11 @@ def _loss_func(loss_mask: torch.Tensor, poison: bool):
     return loss_func
 
 
-def _forward_step_factory(poison: bool):
+def _forward_step_factory(fault: LossFault):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return output, _loss_func(batch["loss_mask"], poison)
+        return output, _loss_func(batch["loss_mask"], fault)
 
     return forward_step
 
@@ -374,12 +396,14 @@ def _reduce_loss(losses: list[dict], extra: list[float]) -> list[float]:
     return [values[0] / max(1.0, values[1]), *values[2:]]
 
 
-def train_step(stack: Stack, batches: list[dict], spec: RunSpec, poison: bool, stop: float):
+def train_step(
+    stack: Stack, batches: list[dict], spec: RunSpec, fault: LossFault, stop: float
+) -> tuple[float, float, bool]:
     """One optimizer update; returns (loss, grad_norm, stop_requested_anywhere)."""
     stack.model.zero_grad_buffer()
     stack.optimizer.zero_grad()
     losses = stack.forward_backward(
-        forward_step_func=_forward_step_factory(poison),
+        forward_step_func=_forward_step_factory(fault),
         data_iterator=iter(batches),
         model=[stack.model],
         num_microbatches=spec.parallel.grad_accum,
@@ -402,7 +426,7 @@ def evaluate(stack: Stack, valid, spec: RunSpec) -> float:
     for b in range(batches):
         micro = micro_batches(valid, b * spec.optim.batch_seqs, spec)
         losses = stack.forward_backward(
-            forward_step_func=_forward_step_factory(False),
+            forward_step_func=_forward_step_factory(LossFault()),
             data_iterator=iter(micro),
             model=[stack.model],
             num_microbatches=spec.parallel.grad_accum,
@@ -527,8 +551,29 @@ def versions() -> dict[str, str]:
     return out
 
 
-def write_outputs(spec: RunSpec, state: RunState, stack: Stack, steps_target: int) -> None:
-    """curve.parquet, valid.parquet, then meta.json (its presence marks a finished run)."""
+def _curve_row(spec: RunSpec, step: int, total: int, batch_tokens: int, loss, lr) -> dict:
+    """A curve row for a step that ended the run (a fault run's non-finite loss)."""
+    return {
+        "run": spec.run,
+        "step": step,
+        "tokens": step * batch_tokens,
+        "t_hat": step / total,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": float("nan"),
+        "tokens_per_s": float("nan"),
+        "micro_batch_seqs": spec.parallel.micro_batch_seqs,
+        "data_fraction": float("nan"),
+        "restart": False,
+    }
+
+
+def write_outputs(
+    spec: RunSpec, state: RunState, stack: Stack, steps_target: int, stopped: str = ""
+) -> None:
+    """curve.parquet, valid.parquet, then meta.json (its presence marks a finished run).
+
+    ``stopped``: why a run ended before its target ("nonfinite": a fault run's NaN loss)."""
     run_dir = Path(spec.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write_parquet(state.curve, CURVE_COLUMNS, run_dir / CURVE_FILE)
@@ -566,6 +611,7 @@ def write_outputs(spec: RunSpec, state: RunState, stack: Stack, steps_target: in
         "threads": torch.get_num_threads(),
         "host": socket.gethostname(),
         "fault": spec.fault.model_dump(),
+        "stopped": stopped,
         "versions": versions(),
     }
     tmp = run_dir / (META_FILE + ".tmp")
@@ -690,11 +736,21 @@ def run(spec: RunSpec) -> int:
         data_step = faults.data_step(step)
         batches = micro_batches(train_set, (data_step - 1) * spec.optim.batch_seqs, spec)
         loss, grad_norm, stop_any = train_step(
-            stack, batches, spec, faults.poisons_loss(step), stop.requested
+            stack, batches, spec, faults.loss_fault(step), stop.requested
         )
         lr_used = scheduler_lr_at(stack.scheduler, step - 1, spec.mup.lr_hidden) * factor
         loss += faults.loss_bias(step)
         seconds = time.time() - t0
+        if not math.isfinite(loss) and spec.role == "fault":
+            # a fault-injection run: the stop is the measured outcome, so the curve up to and
+            # including the non-finite step is the run's output (meta.json says why it ended)
+            update_wall_time()
+            state.curve.append(_curve_row(spec, step, total, batch_tokens, loss, lr_used))
+            state.step = step
+            if rank() == 0:
+                write_outputs(spec, state, stack, target, stopped="nonfinite")
+            log(f"fault run stopped: loss {loss} at step {step} (t_hat {step / total:.4f})")
+            return EXIT_OK
         if not math.isfinite(loss):
             update_wall_time()
             raise TrainingError(

@@ -40,6 +40,7 @@ TPP_BANDS = [f"{b:g}" for b in FAMILY.tpp]
 FAMILY_RUNS = PLAN.run_names("family")
 SWEEP_RUNS = PLAN.run_names("sweep")
 SWEEPS = [s.name for s in FAMILY.sweeps]
+FAULTS_ON = FAMILY.faults is not None
 PLAN_OUT = str(LAYOUT.plan_dir)
 # The plan reruns when the resolved config or a spec changes (not when an estimate does).
 PLAN_SHA = hashlib.sha256(
@@ -86,6 +87,27 @@ def train_inputs(wildcards):
     if spec.monitor.enabled:
         inputs["reference"] = spec.monitor.reference_csv
     return inputs
+
+
+def spec_reference(run):
+    """The reference.csv a run is monitored and gated against (its band's)."""
+    return str(reference_csv(LAYOUT, PLAN.spec(run).tpp_band))
+
+
+def detect_runs():
+    """The fault runs plus the family's own runs of the faulted size among the clean seeds."""
+    if not FAULTS_ON:
+        return []
+    spec = FAMILY.faults
+    band = spec.tpp if spec.tpp is not None else FAMILY.tpp[0]
+    t = PLAN.table
+    own = t[
+        (t.role == "family")
+        & (t["size"] == FAMILY.fault_size().name)
+        & (t.tpp_band == band)
+        & t.seed.isin(spec.clean_seeds)
+    ]
+    return list(own.run) + PLAN.run_names("fault")
 
 
 def train_resource(key):

@@ -2,6 +2,8 @@ REPORT = f"{ROOT}/report"
 FIGURES = ["collapse_curves", "delta_sigma", "gate_summary", "downstream_vs_flops"]
 if SWEEPS:
     FIGURES += ["sweep_predictions", "sweep_metrics"]
+if FAULTS_ON:
+    FIGURES += ["fault_detection"]
 
 
 rule report:
@@ -12,6 +14,7 @@ rule report:
         gates=expand(f"{ROOT}/gates/{{run}}.json", run=FAMILY_RUNS),
         evals=expand(f"{ROOT}/evals/{{run}}.json", run=FAMILY_RUNS),
         sweeps=expand(f"{ROOT}/sweeps/{{sweep}}/metrics.csv", sweep=SWEEPS),
+        faults=rules.detect.output.detections if FAULTS_ON else [],
     output:
         index=f"{REPORT}/index.md",
         figures=[

@@ -1,0 +1,286 @@
+"""The fault-detection experiment: when does each detector see an injected fault?
+
+PAPER.md section 4 claims that a run's residual against the family's reference shows a fault
+long before the raw loss does. This stage measures that on the family's own runs: every fault
+run of the experiment (``family.faults``) and the clean seeds of the same size are replayed
+through three detectors, each with its policy fixed before looking at the runs:
+
+- ``collapse``: the online collapse monitor (collapse.monitor) with the gate policy of the
+  family, checked every ``detectors.monitor_every_fraction`` of training;
+- ``spike``: a raw-loss spike detector as in OLMo-core's stability monitor (a loss above the
+  mean of the previous ``spike_window_steps`` losses by more than ``spike_k_sigma`` std);
+- ``rise``: a smoothed raw-loss rise (the ``rise_window_steps`` trailing mean above its running
+  minimum by more than ``rise_margin``).
+
+A non-finite loss fires every detector. An alarm before a fault's first step is a false alarm,
+as is any alarm on a clean run. Outputs: ``detections.csv`` (one row per run and detector),
+``detections.md`` (one row per run) and ``detections.png`` (raw loss and residual per run with
+the fault and every alarm marked).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from collapse.config import DetectorSpec
+from collapse.curves import trailing_mean
+from collapse.gates import GatePolicy
+from collapse.monitor import OnlineMonitor
+from collapse.runspec import RunSpec
+
+DETECTORS = ("collapse", "spike", "rise")
+DETECTIONS_COLUMNS = (
+    "run", "fault", "kind", "seed", "fault_t_hat", "detector", "alarm_t_hat", "alarm_step",
+    "delay", "outcome", "detail",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """The first alarm of one detector on one run (index None: it never fired)."""
+
+    index: int | None
+    detail: str = ""
+
+
+def first_true(mask: np.ndarray) -> int | None:
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if len(hits) else None
+
+
+def spike_alarm(loss: np.ndarray, window: int, k_sigma: float) -> Alarm:
+    """OLMo-core's rule: loss > mean + k std of the previous ``window`` losses (full windows)."""
+    series = pd.Series(np.asarray(loss, dtype=float))
+    previous = series.shift(1).rolling(window, min_periods=window)
+    mean, std = previous.mean().to_numpy(), previous.std(ddof=0).to_numpy()
+    values = series.to_numpy()
+    with np.errstate(invalid="ignore"):
+        spike = values > mean + k_sigma * std
+    i = first_true(~np.isfinite(values) | spike)
+    if i is None:
+        return Alarm(None)
+    if not math.isfinite(values[i]):
+        return Alarm(i, "non-finite loss")
+    return Alarm(i, f"loss {values[i]:.4f} > {mean[i]:.4f} + {k_sigma:g} x {std[i]:.4f}")
+
+
+def rise_alarm(loss: np.ndarray, steps: np.ndarray, window: int, margin: float) -> Alarm:
+    """The trailing-mean loss above its running minimum by more than ``margin`` (relative)."""
+    values = np.asarray(loss, dtype=float)
+    smooth = trailing_mean(values, steps, np.zeros(len(values)), np.full(len(values), window))
+    full = np.arange(len(values)) >= window - 1  # only full windows count
+    smooth = np.where(full, smooth, np.nan)
+    running_min = pd.Series(smooth).cummin().to_numpy()
+    with np.errstate(invalid="ignore"):
+        rise = smooth > running_min * (1 + margin)
+    i = first_true(~np.isfinite(values) | rise)
+    if i is None:
+        return Alarm(None)
+    if not math.isfinite(values[i]):
+        return Alarm(i, "non-finite loss")
+    return Alarm(i, f"smoothed {smooth[i]:.4f} > {1 + margin:g} x minimum {running_min[i]:.4f}")
+
+
+def collapse_alarm(
+    spec: RunSpec, curve: pd.DataFrame, policy: GatePolicy, every_fraction: float, log: Path
+) -> tuple[Alarm, OnlineMonitor]:
+    """Replay the curve through the online monitor, checking every ``every_fraction``."""
+    log.unlink(missing_ok=True)
+    monitor = OnlineMonitor(spec, log, policy)
+    every = max(1, round(every_fraction * spec.optim.steps))
+    steps = curve["step"].to_numpy()
+    found = Alarm(None)
+    for i, (step, t_hat, loss) in enumerate(curve[["step", "t_hat", "loss"]].itertuples(False)):
+        monitor.observe(int(step), float(t_hat), float(loss))
+        last = i == len(steps) - 1
+        if step % every == 0 or last or not math.isfinite(loss):
+            verdict = monitor.check()
+            if verdict.alarm and found.index is None:
+                found = Alarm(i, verdict.message)
+    return found, monitor
+
+
+def outcome(alarm_t: float | None, fault_t: float | None) -> str:
+    if fault_t is None:  # a clean run
+        return "quiet" if alarm_t is None else "false alarm"
+    if alarm_t is None:
+        return "missed"
+    return "detected" if alarm_t >= fault_t - 1e-9 else "false alarm (before the fault)"
+
+
+def fault_t_hat(spec: RunSpec) -> float | None:
+    """First faulty t_hat (0 for wrong_tau, a fault from the start); None for a clean run."""
+    kind = spec.fault.kind
+    if kind == "none":
+        return None
+    if kind == "wrong_tau":
+        return 0.0
+    step = max(1, round(spec.fault.at_fraction * spec.optim.steps))
+    return step / spec.optim.steps
+
+
+def detect_run(
+    spec: RunSpec, policy: GatePolicy, detectors: DetectorSpec, out_dir: Path
+) -> tuple[list[dict], dict]:
+    """The three detectors on one run: detection rows, plus what the figure needs."""
+    curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet").sort_values("step")
+    steps, t_hat = curve["step"].to_numpy(), curve["t_hat"].to_numpy()
+    loss = curve["loss"].to_numpy(float)
+    log = out_dir / "monitor" / f"{spec.run}.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    found = {}
+    found["collapse"], monitor = collapse_alarm(
+        spec, curve, policy, detectors.monitor_every_fraction, log
+    )
+    found["spike"] = spike_alarm(loss, detectors.spike_window_steps, detectors.spike_k_sigma)
+    found["rise"] = rise_alarm(loss, steps, detectors.rise_window_steps, detectors.rise_margin)
+    at = fault_t_hat(spec)
+    name = spec.fault.name or ("clean" if spec.fault.kind == "none" else spec.fault.kind)
+    rows = []
+    for detector in DETECTORS:
+        alarm = found[detector]
+        alarm_t = None if alarm.index is None else float(t_hat[alarm.index])
+        rows.append(
+            {
+                "run": spec.run,
+                "fault": name,
+                "kind": spec.fault.kind,
+                "seed": spec.optim.seed,
+                "fault_t_hat": at,
+                "detector": detector,
+                "alarm_t_hat": alarm_t,
+                "alarm_step": None if alarm.index is None else int(steps[alarm.index]),
+                "delay": None if alarm_t is None or at is None else alarm_t - at,
+                "outcome": outcome(alarm_t, at),
+                "detail": alarm.detail,
+            }
+        )
+    r_t, r = monitor.residuals()
+    panel = {
+        "run": spec.run,
+        "fault": name,
+        "t_hat": t_hat,
+        "loss": loss,
+        "residual_t_hat": r_t,
+        "residual": r,
+        "threshold": monitor.threshold,
+        "fault_t_hat": at,
+        "alarms": {d: row["alarm_t_hat"] for d, row in zip(DETECTORS, rows, strict=True)},
+    }
+    return rows, panel
+
+
+def detection_table(detections: pd.DataFrame) -> pd.DataFrame:
+    """One row per run: the fault, where it starts, and each detector's alarm t_hat/outcome."""
+    rows = []
+    for run, group in detections.groupby("run", sort=False):
+        first = group.iloc[0]
+        row = {"run": run, "fault": first["fault"], "fault_t_hat": first["fault_t_hat"]}
+        for _, d in group.iterrows():
+            at = "never" if pd.isna(d["alarm_t_hat"]) else f"{d['alarm_t_hat']:.3f}"
+            row[d["detector"]] = f"{at} ({d['outcome']})"
+        rows.append(row)
+    table = pd.DataFrame(rows)
+    table["fault_t_hat"] = table["fault_t_hat"].map(lambda x: "" if pd.isna(x) else f"{x:.3f}")
+    return table
+
+
+def summary_lines(detections: pd.DataFrame) -> list[str]:
+    """The targets, in words: every fault detected, no false alarm, collapse first for a-c."""
+    lines = []
+    faults = detections[detections["kind"] != "none"]
+    clean = detections[detections["kind"] == "none"]
+    for detector in DETECTORS:
+        mine = faults[faults["detector"] == detector]
+        caught = (mine["outcome"] == "detected").sum()
+        false = (clean[clean["detector"] == detector]["outcome"] == "false alarm").sum()
+        false += (mine["outcome"] == "false alarm (before the fault)").sum()
+        lines.append(
+            f"- {detector}: {caught} of {len(mine)} faults detected; {false} false alarm(s) "
+            f"({len(clean[clean['detector'] == detector])} clean runs)"
+        )
+    return lines
+
+
+def plot_detections(panels: list[dict], path: Path) -> Path:
+    from collapse.analysis import _pyplot
+
+    plt = _pyplot()
+    n = len(panels)
+    fig, axes = plt.subplots(2, n, figsize=(3.2 * n + 0.8, 5.6), sharex=True, squeeze=False)
+    colours = {"collapse": "tab:red", "spike": "tab:blue", "rise": "tab:green"}
+    clean = next((p for p in panels if p["fault_t_hat"] is None), None)
+    for j, p in enumerate(panels):
+        top, bottom = axes[0, j], axes[1, j]
+        if clean is not None and p is not clean:
+            top.plot(clean["t_hat"], clean["loss"], color="0.7", lw=0.8, label=clean["run"])
+        top.plot(p["t_hat"], p["loss"], color="black", lw=0.8, label=p["run"])
+        bottom.plot(p["residual_t_hat"], p["residual"], color="black", lw=1.0)
+        bottom.axhline(p["threshold"], color="tab:red", ls=":", lw=0.8)
+        bottom.axhline(-p["threshold"], color="tab:red", ls=":", lw=0.8)
+        bottom.axhline(0, color="0.6", lw=0.5)
+        for ax in (top, bottom):
+            if p["fault_t_hat"] is not None:
+                ax.axvline(p["fault_t_hat"], color="black", ls="--", lw=0.9)
+            for detector, at in p["alarms"].items():
+                if at is not None:
+                    ax.axvline(at, color=colours[detector], lw=1.2, alpha=0.8)
+        finite = p["loss"][np.isfinite(p["loss"])]
+        if len(finite):
+            lo, hi = np.percentile(finite, [0.5, 99.5])
+            top.set_ylim(lo - 0.05 * (hi - lo), hi + 0.1 * (hi - lo))
+        finite_r = p["residual"][np.isfinite(p["residual"])]
+        if len(finite_r):
+            bound = max(2.5 * p["threshold"], float(np.abs(finite_r).max()) * 1.1)
+            bottom.set_ylim(-bound, bound)
+        start = "" if p["fault_t_hat"] is None else f" from t̂ {p['fault_t_hat']:.2f}"
+        top.set_title(f"{p['fault']}{start}", fontsize=9)
+        bottom.set_xlabel("t̂ (fraction of training)")
+    axes[0, 0].set_ylabel("raw training loss (nats/token)")
+    axes[1, 0].set_ylabel("residual r = ℓ_run − ℓ_ref")
+    handles = [
+        plt.Line2D([], [], color=c, lw=1.2, label=f"{d} alarm") for d, c in colours.items()
+    ] + [
+        plt.Line2D([], [], color="black", ls="--", lw=0.9, label="fault starts"),
+        plt.Line2D([], [], color="tab:red", ls=":", lw=0.8, label="gate threshold"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.suptitle("Fault detection: collapse monitor vs raw-loss detectors (grey: clean seed)")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    fig.savefig(path.with_suffix(".pdf"))
+    plt.close(fig)
+    return path
+
+
+def run_experiment(
+    specs: list[RunSpec], policy: GatePolicy, detectors: DetectorSpec, out_dir: Path
+) -> pd.DataFrame:
+    """detections.csv, detections.md and detections.png in ``out_dir``; returns the rows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows, panels = [], []
+    clean_first = sorted(specs, key=lambda s: (s.fault.kind != "none", s.optim.seed, s.run))
+    for spec in clean_first:
+        mine, panel = detect_run(spec, policy, detectors, out_dir)
+        rows += mine
+        panels.append(panel)
+    detections = pd.DataFrame(rows, columns=DETECTIONS_COLUMNS)
+    detections.to_csv(out_dir / "detections.csv", index=False, float_format="%.6g")
+    table = detection_table(detections)
+    text = [
+        "Alarm t̂ of each detector (first alarm; 'never': it did not fire) and its outcome.",
+        "",
+        table.to_markdown(index=False),
+        "",
+        *summary_lines(detections),
+        "",
+    ]
+    (out_dir / "detections.md").write_text("\n".join(text))
+    plot_detections(panels, out_dir / "detections.png")
+    return detections
