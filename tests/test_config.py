@@ -186,6 +186,18 @@ MALFORMED = {
         _set(["family", "batch", "min_seqs"], 4096),
         ["optimizer steps", "raise family.tpp or lower the batch"],
     ),
+    "fault size not in family": (
+        _set(["family", "faults"], {"size": "d129", "injections": [{"name": "a", "kind": "nan"}]}),
+        ["faults.size", "'d129' is not a size", "did you mean"],
+    ),
+    "fault in a reference size": (
+        _set(["family", "faults"], {"size": "d48", "injections": [{"name": "a", "kind": "nan"}]}),
+        ["faults.size", "'d48' builds the reference"],
+    ),
+    "unknown fault kind": (
+        _set(["family", "faults"], {"injections": [{"name": "a", "kind": "bitflip"}]}),
+        ["faults.injections[0](a).kind", "loss_kernel", "bitflip"],
+    ),
     "slurm cluster without partition": (
         _set(["cluster", "executor"], "slurm"),
         ["cluster", "partition"],

@@ -324,7 +324,7 @@ class FamilySpec(_Spec):
                 problems.append(f"faults.tpp: {f.tpp} is not one of the bands {self.tpp}")
             if len({i.name for i in f.injections}) != len(f.injections):
                 problems.append("faults.injections: two faults share a name; names must be unique")
-            target = f.size if f.size in names else self.fault_size().name
+            target = self.fault_size().name if f.size is None or f.size in names else None
             if target in self.reference.sizes:
                 problems.append(
                     f"faults.size: {target!r} builds the reference; inject faults into a size "
