@@ -72,6 +72,22 @@ def test_gates_enforce_reaches_the_gate_policy():
     assert GatePolicy.model_validate(json.loads(smoke.model_dump_json())).enforce is True
 
 
+def test_contrast_family_holds_lambda_not_tau():
+    """tiny_fixed_wd is tiny with one weight decay for every size: tau drifts with size."""
+    tiny = plan_family(load_config([])).table
+    fixed = plan_family(load_config(["family=tiny_fixed_wd"])).table
+    tiny, fixed = (t[t.role == "family"].set_index("run") for t in (tiny, fixed))
+    assert list(fixed.index) == list(tiny.index)
+    assert fixed.weight_decay.nunique() == 1 and tiny.tau.round(6).nunique() == 1
+    assert fixed.weight_decay.iloc[0] == tiny.weight_decay.iloc[0]  # the smallest size's lambda
+    assert fixed.tau.round(3).nunique() > 1
+    assert (
+        (fixed.drop(columns=["weight_decay", "tau"]) == tiny.drop(columns=["weight_decay", "tau"]))
+        .all()
+        .all()
+    )
+
+
 def test_hydra_overrides_reach_the_spec():
     cfg = load_config(["family.tpp=[5,10]", "family.tau=[0.3]", "family.seeds=[3]"])
     assert cfg.family.tpp == [5, 10] and cfg.family.tau == [0.3] and cfg.family.seeds == [3]

@@ -256,6 +256,9 @@ class FamilySpec(_Spec):
     tpp: list[Annotated[float, Field(ge=0.5, le=10000)]] = Field(min_length=1)
     tau: list[Annotated[float, Field(gt=0, le=10)]] | TauPowerLaw
     tpp_counts: Literal["all", "non_embedding"] = "all"
+    # A contrast recipe, not the method: one weight decay for every size (as Llama-style recipes
+    # do), so tau = B/(eta lambda D) is no longer held fixed and the tau rule above is ignored.
+    weight_decay: PositiveFloat | None = None
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     parameterization: ParameterizationSpec = Field(default_factory=ParameterizationSpec)
     batch: BatchSpec = Field(default_factory=BatchSpec)

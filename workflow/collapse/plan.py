@@ -162,6 +162,8 @@ def plan_run(
     eta = mup.lr_hidden
     if "weight_decay" in variant:
         weight_decay = variant["weight_decay"]
+    elif family.weight_decay is not None:  # the contrast recipe: lambda fixed, tau drifts
+        weight_decay = family.weight_decay
     else:
         tau_goal = variant.get("tau", target_tau(family, tpp))
         weight_decay = scaling.weight_decay_for_tau(tau_goal, eta, batch_tokens, tokens)
