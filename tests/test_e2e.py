@@ -1,5 +1,5 @@
-"""The whole DAG on the smoke family: plan, data, training, reference, gates, sweep, evaluation,
-report; then the properties of what it wrote (not only the exit code)."""
+"""The whole DAG on the smoke family: plan, data, training, reference, gates, sweep, the fault
+experiment, evaluation, report; then the properties of what it wrote (not only the exit code)."""
 
 import json
 import subprocess
@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.ci]
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(workdir), "--cores", "2", "--config", "family=smoke", *args,
+        "--directory", str(workdir), "--cores", "2",
+        "--config", "family=smoke", "faults=standard", *args,
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
 
@@ -33,8 +34,9 @@ def smoke(tmp_path_factory) -> Path:
 
 def test_plan_lists_every_run(smoke):
     runs = pd.read_csv(smoke / "plan" / "runs.csv")
-    assert len(runs) == 10
-    assert set(runs.role) == {"family", "sweep", "sweep_reference"}
+    assert len(runs) == 10 + 7  # family + sweep, then 5 faults and 2 more clean seeds of d96
+    assert set(runs.role) == {"family", "sweep", "sweep_reference", "fault"}
+    assert set(runs[runs.role == "fault"]["size"]) == {"d96"}
     assert (runs.tokens == runs.steps * runs.batch_seqs * runs.seq_len).all()
 
 
@@ -43,6 +45,11 @@ def test_curves_are_complete_and_decreasing(smoke):
     for run, row in runs.iterrows():
         curve = pd.read_parquet(smoke / "runs" / run / "curve.parquet")
         assert tuple(curve.columns) == CURVE_COLUMNS
+        if row.role == "fault" and row.fault == "nan":  # the NaN ends the run: its outcome
+            assert curve.loss.isna().iloc[-1] and curve.t_hat.iloc[-1] == pytest.approx(
+                0.55, abs=0.02
+            )
+            continue
         assert curve.step.tolist() == list(range(1, int(row.steps * row.stop_fraction) + 1))
         tenth = max(1, len(curve) // 10)
         assert curve.loss.iloc[-tenth:].mean() < curve.loss.iloc[:tenth].mean() - 0.5, run
@@ -71,6 +78,37 @@ def test_sweep_predictions_and_metrics(smoke):
     assert metrics[metrics.method == "collapse"].selected_run.str.startswith("sweep-tau").all()
     error = metrics[metrics.fraction == 0.3].set_index("method").mean_abs_error_pct
     assert error["collapse"] < error["current"]  # the method beats the loss-now baseline
+
+
+def test_fault_detection_experiment(smoke):
+    detections = pd.read_csv(smoke / "faults" / "detections.csv")
+    faults = {"loss-kernel", "lr-spike", "data-repeat", "wrong-tau", "nan"}
+    assert set(detections.fault) == faults | {"clean"}
+    assert len(detections) == 3 * (len(faults) + 3)  # three detectors; three clean seeds
+    assert set(detections.detector) == {"collapse", "spike", "rise"}
+    known = {"detected", "missed", "false alarm", "quiet", "false alarm (before the fault)"}
+    assert set(detections.outcome) <= known
+    nan = detections[detections.fault == "nan"]
+    assert (nan.outcome == "detected").all()  # every detector sees a NaN, at the NaN step
+    assert nan.alarm_t_hat.nunique() == 1 and nan.alarm_t_hat.iloc[0] == pytest.approx(
+        0.55, abs=0.02
+    )
+    wrong_tau = detections[detections.fault == "wrong-tau"]
+    assert (wrong_tau.fault_t_hat == 0).all()
+    assert "Fault detection" in (smoke / "report" / "index.md").read_text()
+    assert (smoke / "report" / "fault_detection.png").stat().st_size > 1000
+
+
+def test_compare_reads_the_familys_results(smoke, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "collapse.cli", "compare", str(smoke), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "comparison.csv")
+    assert table.family.tolist() == ["smoke"] and table.gates.iloc[0] == 6
+    assert table.final_loss_largest.iloc[0] < table.final_loss_smallest.iloc[0]
+    assert (tmp_path / "comparison.png").stat().st_size > 1000
 
 
 def test_evaluation_results(smoke):

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "data": "collapse.data",
     "analyze": "collapse.analysis",
     "predict": "collapse.predict",
+    "compare": "collapse.compare",
     "evaluate": "collapse.evaluate",
     "report": "collapse.report",
     "stage": "collapse.stages",
