@@ -3,6 +3,7 @@
 snakemake -n                            # the family's whole DAG, nothing run
 snakemake --cores all plan              # the compute plan only: results/<family>/plan/
 snakemake --cores all                   # the default tiny family, end to end, on this CPU
+snakemake --cores all --config faults=standard   # + the fault-detection experiment
 snakemake --profile slurm --config family=ladder cluster=slurm_h100
 """
 

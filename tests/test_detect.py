@@ -75,6 +75,7 @@ def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: P
         spec = spec.model_copy(
             update={
                 "run": f"run{seed}",
+                "size": "s4",
                 "run_dir": str(tmp_path / f"run{seed}"),
                 "monitor": spec.monitor.model_copy(update={"reference_csv": str(ref_csv)}),
                 "optim": spec.optim.model_copy(update={"seed": seed}),
@@ -89,15 +90,24 @@ def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: P
         specs.append(spec)
 
     out = tmp_path / "faults"
-    detections = run_experiment(specs, GatePolicy(), DetectorSpec(), out)
+    runs_csv = tmp_path / "runs.csv"
+    pd.DataFrame(
+        {"run": [s.run for s in specs], "size": "s4", "params": 4e6, "seed": [0, 1, 2],
+         "tpp": 20.0, "tau": 0.2, "steps": 1000}
+    ).to_csv(runs_csv, index=False)  # fmt: skip
+    detections = run_experiment(specs, GatePolicy(), DetectorSpec(), out, runs_csv)
     got = detections.set_index(["fault", "detector"])
     assert got.loc[("slow", "collapse"), "outcome"] == "detected"
     at = got.loc[("slow", "collapse"), "alarm_t_hat"]
     assert 0.55 <= at <= 1.0 and math.isclose(got.loc[("slow", "collapse"), "fault_t_hat"], 0.55)
     assert got.loc[("slow", "spike"), "outcome"] == "missed"
     assert got.loc[("slow", "rise"), "outcome"] == "missed"
+    own = got.loc[("slow", "collapse_own_size")]  # against seeds 1, 2 of its own size
+    assert own["outcome"] == "detected" and own["alarm_t_hat"] >= 0.55
     clean = detections[detections["fault"] == "clean"]
-    assert len(clean) == 6 and (clean["outcome"] == "quiet").all(), clean
+    assert len(clean) == 8, clean
+    assert set(clean[clean.detector == "collapse_own_size"].outcome) == {"in reference"}
+    assert (clean[clean.detector != "collapse_own_size"].outcome == "quiet").all(), clean
     for name in ("detections.csv", "detections.md", "detections.png", "detections.pdf"):
         assert (out / name).stat().st_size > 0
     summary = (out / "detections.md").read_text()

@@ -84,9 +84,10 @@ def test_fault_detection_experiment(smoke):
     detections = pd.read_csv(smoke / "faults" / "detections.csv")
     faults = {"loss-kernel", "lr-spike", "data-repeat", "wrong-tau", "nan"}
     assert set(detections.fault) == faults | {"clean"}
-    assert len(detections) == 3 * (len(faults) + 3)  # three detectors; three clean seeds
-    assert set(detections.detector) == {"collapse", "spike", "rise"}
+    assert len(detections) == 4 * (len(faults) + 3)  # four detectors; three clean seeds
+    assert set(detections.detector) == {"collapse", "collapse_own_size", "spike", "rise"}
     known = {"detected", "missed", "false alarm", "quiet", "false alarm (before the fault)"}
+    known |= {"in reference"}  # clean seeds 1, 2 build the own-size reference
     assert set(detections.outcome) <= known
     nan = detections[detections.fault == "nan"]
     assert (nan.outcome == "detected").all()  # every detector sees a NaN, at the NaN step

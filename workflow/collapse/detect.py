@@ -6,7 +6,11 @@ run of the experiment (``family.faults``) and the clean seeds of the same size a
 through three detectors, each with its policy fixed before looking at the runs:
 
 - ``collapse``: the online collapse monitor (collapse.monitor) with the gate policy of the
-  family, checked every ``detectors.monitor_every_fraction`` of training;
+  family, checked every ``detectors.monitor_every_fraction`` of training, against the family's
+  reference (its reference sizes: the paper's method);
+- ``collapse_own_size``: the same monitor against a reference built from the clean seeds of the
+  faulted size other than the faults' own seed (a previous clean run of the same recipe, which
+  needs no collapse across sizes; those seeds are marked "in reference", not counted);
 - ``spike``: a raw-loss spike detector as in OLMo-core's stability monitor (a loss above the
   mean of the previous ``spike_window_steps`` losses by more than ``spike_k_sigma`` std);
 - ``rise``: a smoothed raw-loss rise (the ``rise_window_steps`` trailing mean above its running
@@ -33,7 +37,7 @@ from collapse.gates import GatePolicy
 from collapse.monitor import OnlineMonitor
 from collapse.runspec import RunSpec
 
-DETECTORS = ("collapse", "spike", "rise")
+DETECTORS = ("collapse", "collapse_own_size", "spike", "rise")
 DETECTIONS_COLUMNS = (
     "run", "fault", "kind", "seed", "fault_t_hat", "detector", "alarm_t_hat", "alarm_step",
     "delay", "outcome", "detail",
@@ -124,10 +128,27 @@ def fault_t_hat(spec: RunSpec) -> float | None:
     return step / spec.optim.steps
 
 
+def own_size_reference(clean: list[RunSpec], runs_csv: Path, out_dir: Path) -> Path | None:
+    """reference.csv from the clean seeds of the faulted size (None: no such seed)."""
+    if not clean:
+        return None
+    from collapse.analysis import build_reference
+
+    folder = out_dir / "own_size_reference"
+    paths = [Path(s.run_dir) / "curve.parquet" for s in clean]
+    build_reference(paths, runs_csv, [clean[0].size], folder)
+    return folder / "reference.csv"
+
+
 def detect_run(
-    spec: RunSpec, policy: GatePolicy, detectors: DetectorSpec, out_dir: Path
+    spec: RunSpec,
+    policy: GatePolicy,
+    detectors: DetectorSpec,
+    out_dir: Path,
+    own_reference: Path | None = None,
+    in_own_reference: bool = False,
 ) -> tuple[list[dict], dict]:
-    """The three detectors on one run: detection rows, plus what the figure needs."""
+    """The detectors on one run: detection rows, plus what the figure needs."""
     curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet").sort_values("step")
     steps, t_hat = curve["step"].to_numpy(), curve["t_hat"].to_numpy()
     loss = curve["loss"].to_numpy(float)
@@ -137,14 +158,29 @@ def detect_run(
     found["collapse"], monitor = collapse_alarm(
         spec, curve, policy, detectors.monitor_every_fraction, log
     )
+    if own_reference is not None:
+        own = spec.model_copy(
+            update={
+                "monitor": spec.monitor.model_copy(update={"reference_csv": str(own_reference)})
+            }
+        )
+        own_log = out_dir / "monitor" / f"{spec.run}.own_size.jsonl"
+        found["collapse_own_size"], _ = collapse_alarm(
+            own, curve, policy, detectors.monitor_every_fraction, own_log
+        )
     found["spike"] = spike_alarm(loss, detectors.spike_window_steps, detectors.spike_k_sigma)
     found["rise"] = rise_alarm(loss, steps, detectors.rise_window_steps, detectors.rise_margin)
     at = fault_t_hat(spec)
     name = spec.fault.name or ("clean" if spec.fault.kind == "none" else spec.fault.kind)
     rows = []
     for detector in DETECTORS:
+        if detector not in found:
+            continue
         alarm = found[detector]
         alarm_t = None if alarm.index is None else float(t_hat[alarm.index])
+        verdict = outcome(alarm_t, at)
+        if detector == "collapse_own_size" and in_own_reference:
+            verdict = "in reference"
         rows.append(
             {
                 "run": spec.run,
@@ -156,7 +192,7 @@ def detect_run(
                 "alarm_t_hat": alarm_t,
                 "alarm_step": None if alarm.index is None else int(steps[alarm.index]),
                 "delay": None if alarm_t is None or at is None else alarm_t - at,
-                "outcome": outcome(alarm_t, at),
+                "outcome": verdict,
                 "detail": alarm.detail,
             }
         )
@@ -170,7 +206,7 @@ def detect_run(
         "residual": r,
         "threshold": monitor.threshold,
         "fault_t_hat": at,
-        "alarms": {d: row["alarm_t_hat"] for d, row in zip(DETECTORS, rows, strict=True)},
+        "alarms": {row["detector"]: row["alarm_t_hat"] for row in rows},
     }
     return rows, panel
 
@@ -196,6 +232,8 @@ def summary_lines(detections: pd.DataFrame) -> list[str]:
     faults = detections[detections["kind"] != "none"]
     clean = detections[detections["kind"] == "none"]
     for detector in DETECTORS:
+        if not (detections["detector"] == detector).any():
+            continue
         mine = faults[faults["detector"] == detector]
         caught = (mine["outcome"] == "detected").sum()
         false = (clean[clean["detector"] == detector]["outcome"] == "false alarm").sum()
@@ -213,7 +251,12 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
     plt = _pyplot()
     n = len(panels)
     fig, axes = plt.subplots(2, n, figsize=(3.2 * n + 0.8, 5.6), sharex=True, squeeze=False)
-    colours = {"collapse": "tab:red", "spike": "tab:blue", "rise": "tab:green"}
+    colours = {
+        "collapse": "tab:red",
+        "collapse_own_size": "tab:purple",
+        "spike": "tab:blue",
+        "rise": "tab:green",
+    }
     clean = next((p for p in panels if p["fault_t_hat"] is None), None)
     for j, p in enumerate(panels):
         top, bottom = axes[0, j], axes[1, j]
@@ -243,13 +286,16 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
         bottom.set_xlabel("t̂ (fraction of training)")
     axes[0, 0].set_ylabel("raw training loss (nats/token)")
     axes[1, 0].set_ylabel("residual r = ℓ_run − ℓ_ref")
+    shown = {d for p in panels for d in p["alarms"]}
     handles = [
-        plt.Line2D([], [], color=c, lw=1.2, label=f"{d} alarm") for d, c in colours.items()
+        plt.Line2D([], [], color=c, lw=1.2, label=f"{d} alarm")
+        for d, c in colours.items()
+        if d in shown
     ] + [
         plt.Line2D([], [], color="black", ls="--", lw=0.9, label="fault starts"),
         plt.Line2D([], [], color="tab:red", ls=":", lw=0.8, label="gate threshold"),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=8, frameon=False)
     fig.suptitle("Fault detection: collapse monitor vs raw-loss detectors (grey: clean seed)")
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,14 +306,26 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
 
 
 def run_experiment(
-    specs: list[RunSpec], policy: GatePolicy, detectors: DetectorSpec, out_dir: Path
+    specs: list[RunSpec],
+    policy: GatePolicy,
+    detectors: DetectorSpec,
+    out_dir: Path,
+    runs_csv: Path | None = None,
 ) -> pd.DataFrame:
-    """detections.csv, detections.md and detections.png in ``out_dir``; returns the rows."""
+    """detections.csv, detections.md and detections.png in ``out_dir``; returns the rows.
+
+    With ``runs_csv`` (the plan's runs.csv) the own-size reference is built from the clean
+    seeds that are not the faults' seed, and ``collapse_own_size`` runs too."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, panels = [], []
     clean_first = sorted(specs, key=lambda s: (s.fault.kind != "none", s.optim.seed, s.run))
+    fault_seeds = {s.optim.seed for s in specs if s.fault.kind != "none"}
+    others = [s for s in specs if s.fault.kind == "none" and s.optim.seed not in fault_seeds]
+    own = own_size_reference(others, runs_csv, out_dir) if runs_csv is not None else None
     for spec in clean_first:
-        mine, panel = detect_run(spec, policy, detectors, out_dir)
+        mine, panel = detect_run(
+            spec, policy, detectors, out_dir, own, in_own_reference=spec in others
+        )
         rows += mine
         panels.append(panel)
     detections = pd.DataFrame(rows, columns=DETECTIONS_COLUMNS)

@@ -117,7 +117,7 @@ def _detect(args: argparse.Namespace) -> int:
     specs = [RunSpec.load(path) for path in args.specs]
     policy = GatePolicy.model_validate(json.loads(args.policy))
     detectors = DetectorSpec.model_validate_json(args.detectors)
-    detections = run_experiment(specs, policy, detectors, args.out)
+    detections = run_experiment(specs, policy, detectors, args.out, args.runs)
     print("\n".join(summary_lines(detections)))
     return 0
 
@@ -179,6 +179,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", required=True, help="the family's gates block (JSON)")
     p.add_argument("--detectors", required=True, help="the faults.detectors block (JSON)")
+    p.add_argument("--runs", type=Path, default=None, help="plan/runs.csv (own-size reference)")
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("specs", nargs="+", type=Path, help="run specs: fault runs and clean seeds")
     p.set_defaults(func=_detect)

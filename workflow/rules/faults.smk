@@ -4,6 +4,7 @@ rule detect:
         specs=[ancient(str(LAYOUT.spec(r))) for r in detect_runs()],
         curves=[curve(r) for r in detect_runs()],
         references=sorted({spec_reference(r) for r in detect_runs()}),
+        runs=f"{PLAN_OUT}/runs.csv",
     output:
         detections=f"{ROOT}/faults/detections.csv",
         table=f"{ROOT}/faults/detections.md",
@@ -18,4 +19,4 @@ rule detect:
         detectors=(FAMILY.faults.detectors.model_dump_json() if FAULTS_ON else "{}"),
     shell:
         "collapse stage detect --policy '{params.policy}' --detectors '{params.detectors}'"
-        " --out {params.out} {input.specs} > {log} 2>&1"
+        " --runs {input.runs} --out {params.out} {input.specs} > {log} 2>&1"
