@@ -84,8 +84,9 @@ def train_inputs(wildcards):
         "data": multiext(str(LAYOUT.train_prefix), ".bin", ".idx"),
         "valid": multiext(str(LAYOUT.valid_prefix), ".bin", ".idx"),
     }
-    if spec.monitor.enabled:  # needed to exist, not to be older: the monitor never changes
-        # the curve (unless stop_on_alarm), so a re-built reference must not retrain the run
+    # The reference must exist, not be older: the monitor never changes the curve (unless
+    # stop_on_alarm), so a re-built reference must not retrain the run.
+    if spec.monitor.enabled:
         inputs["reference"] = ancient(spec.monitor.reference_csv)
     return inputs
 
