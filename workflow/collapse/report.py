@@ -60,6 +60,8 @@ FIGURES = {
     "downstream_vs_flops": "Average downstream accuracy (7 tasks) against training FLOPs: this "
     "family, Celerity and published open models, with the Pareto frontier.",
 }
+# Written only for a family with the fault experiment (``faults=standard``).
+OPTIONAL = {"fault_detection", "detections"}
 TABLES = {
     "family_table": "Every run of the family: size, parameters, tokens, FLOPs, losses, downstream "
     "average and gate.",
