@@ -93,14 +93,14 @@ def megatron_runner(spec):
     import megatron_patches
 
     megatron_patches.apply()
-    from collapse.train import build_stack, init_distributed, train_step
+    from collapse.train import LossFault, build_stack, init_distributed, train_step
 
     init_distributed(spec)
     stack = build_stack(spec)
     batch = fixed_batch(spec.model.vocab_size)
 
     def step() -> float:
-        loss, _, _ = train_step(stack, [batch], spec, poison=False, stop=0.0)
+        loss, _, _ = train_step(stack, [batch], spec, fault=LossFault(), stop=0.0)
         return loss
 
     return step, stack.params_counted

@@ -21,7 +21,7 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
         "--directory", str(workdir), "--cores", "2",
         "--config", "family=smoke", "faults=standard", *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=2700)
 
 
 @pytest.fixture(scope="module")
