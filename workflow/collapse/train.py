@@ -551,23 +551,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _curve_row(spec: RunSpec, step: int, total: int, batch_tokens: int, loss, lr) -> dict:
-    """A curve row for a step that ended the run (a fault run's non-finite loss)."""
-    return {
-        "run": spec.run,
-        "step": step,
-        "tokens": step * batch_tokens,
-        "t_hat": step / total,
-        "loss": loss,
-        "lr": lr,
-        "grad_norm": float("nan"),
-        "tokens_per_s": float("nan"),
-        "micro_batch_seqs": spec.parallel.micro_batch_seqs,
-        "data_fraction": float("nan"),
-        "restart": False,
-    }
-
-
 def write_outputs(
     spec: RunSpec, state: RunState, stack: Stack, steps_target: int, stopped: str = ""
 ) -> None:
@@ -741,11 +724,24 @@ def run(spec: RunSpec) -> int:
         lr_used = scheduler_lr_at(stack.scheduler, step - 1, spec.mup.lr_hidden) * factor
         loss += faults.loss_bias(step)
         seconds = time.time() - t0
+        row = {
+            "run": spec.run,
+            "step": step,
+            "tokens": step * batch_tokens,
+            "t_hat": step / total,
+            "loss": loss,
+            "lr": lr_used,
+            "grad_norm": grad_norm,
+            "tokens_per_s": batch_tokens / seconds if seconds > 0 else float("nan"),
+            "micro_batch_seqs": spec.parallel.micro_batch_seqs,
+            "data_fraction": data_step * batch_tokens / dataset_tokens,
+            "restart": step == first_step and bool(state.restarts),
+        }
         if not math.isfinite(loss) and spec.role == "fault":
             # a fault-injection run: the stop is the measured outcome, so the curve up to and
             # including the non-finite step is the run's output (meta.json says why it ended)
             update_wall_time()
-            state.curve.append(_curve_row(spec, step, total, batch_tokens, loss, lr_used))
+            state.curve.append(row)
             state.step = step
             if rank() == 0:
                 write_outputs(spec, state, stack, target, stopped="nonfinite")
@@ -764,21 +760,7 @@ def run(spec: RunSpec) -> int:
         state.train_time_s += seconds
         session_tokens += batch_tokens
         tokens = step * batch_tokens
-        state.curve.append(
-            {
-                "run": spec.run,
-                "step": step,
-                "tokens": tokens,
-                "t_hat": step / total,
-                "loss": loss,
-                "lr": lr_used,
-                "grad_norm": grad_norm,
-                "tokens_per_s": batch_tokens / seconds if seconds > 0 else float("nan"),
-                "micro_batch_seqs": spec.parallel.micro_batch_seqs,
-                "data_fraction": data_step * batch_tokens / dataset_tokens,
-                "restart": step == first_step and bool(state.restarts),
-            }
-        )
+        state.curve.append(row)
         if step % max(1, spec.logging.log_every_steps) == 0 or step in (first_step, target):
             rate = session_tokens / max(1e-9, time.time() - session_start)
             eta = (target - step) * batch_tokens / rate if rate > 0 else 0.0
