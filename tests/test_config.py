@@ -203,11 +203,16 @@ MALFORMED = {
         ["optimizer steps", "raise family.tpp or lower the batch"],
     ),
     "fault size not in family": (
-        _set(["family", "faults"], {"size": "d129", "injections": [{"name": "a", "kind": "nan"}]}),
+        _set(
+            ["family", "faults"],
+            {"size": "d129", "injections": [{"name": "a", "kind": "nan_loss"}]},
+        ),
         ["faults.size", "'d129' is not a size", "did you mean"],
     ),
     "fault in a reference size": (
-        _set(["family", "faults"], {"size": "d48", "injections": [{"name": "a", "kind": "nan"}]}),
+        _set(
+            ["family", "faults"], {"size": "d48", "injections": [{"name": "a", "kind": "nan_loss"}]}
+        ),
         ["faults.size", "'d48' builds the reference"],
     ),
     "unknown fault kind": (

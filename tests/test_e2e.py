@@ -45,7 +45,7 @@ def test_curves_are_complete_and_decreasing(smoke):
     for run, row in runs.iterrows():
         curve = pd.read_parquet(smoke / "runs" / run / "curve.parquet")
         assert tuple(curve.columns) == CURVE_COLUMNS
-        if row.role == "fault" and row.fault == "nan":  # the NaN ends the run: its outcome
+        if row.role == "fault" and row.fault == "nan-loss":  # the NaN ends the run: its outcome
             assert curve.loss.isna().iloc[-1] and curve.t_hat.iloc[-1] == pytest.approx(
                 0.55, abs=0.02
             )
@@ -82,14 +82,14 @@ def test_sweep_predictions_and_metrics(smoke):
 
 def test_fault_detection_experiment(smoke):
     detections = pd.read_csv(smoke / "faults" / "detections.csv")
-    faults = {"loss-kernel", "lr-spike", "data-repeat", "wrong-tau", "nan"}
+    faults = {"loss-kernel", "lr-spike", "data-repeat", "wrong-tau", "nan-loss"}
     assert set(detections.fault) == faults | {"clean"}
     assert len(detections) == 4 * (len(faults) + 3)  # four detectors; three clean seeds
     assert set(detections.detector) == {"collapse", "collapse_own_size", "spike", "rise"}
     known = {"detected", "missed", "false alarm", "quiet", "false alarm (before the fault)"}
     known |= {"in reference"}  # clean seeds 1, 2 build the own-size reference
     assert set(detections.outcome) <= known
-    nan = detections[detections.fault == "nan"]
+    nan = detections[detections.fault == "nan-loss"]
     assert (nan.outcome == "detected").all()  # every detector sees a NaN, at the NaN step
     assert nan.alarm_t_hat.nunique() == 1 and nan.alarm_t_hat.iloc[0] == pytest.approx(
         0.55, abs=0.02

@@ -70,13 +70,13 @@ def _inject(df: pd.DataFrame, run: str, kind: str, at: float) -> pd.DataFrame:
         loss[after] *= 1 + 0.10 * np.exp(-(t[after] - at) / 0.05)
     elif kind == "data_repeat":  # repeated data: training loss falls faster than it should
         loss[after] *= 1 - 0.25 * (t[after] - at)
-    elif kind == "nan":
+    elif kind == "nan_loss":
         loss[after] = np.nan
     df["loss"] = loss
     return df
 
 
-@pytest.mark.parametrize("kind", ["loss_bias", "lr_spike", "data_repeat", "nan"])
+@pytest.mark.parametrize("kind", ["loss_bias", "lr_spike", "data_repeat", "nan_loss"])
 @pytest.mark.parametrize("at", [0.55, 0.7])
 def test_faults_are_caught_after_they_start_and_not_before(kind, at):
     clean = synthetic_family(SIZES, noise_rel=0.005, wiggle_rel=0.001, rng_seed=3)

@@ -81,7 +81,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path):
         tmp_path,
         steps=10,
         checkpoint_every=3,
-        fault=FaultInjection(kind="nan", at_fraction=0.5, magnitude=0.0),
+        fault=FaultInjection(kind="nan_loss", at_fraction=0.5, magnitude=0.0),
     )
     assert Faults.of(spec).step == 5
     proc = run_training(spec, tmp_path)
@@ -118,7 +118,7 @@ def test_faults_resolve_to_steps(tmp_path: Path):
     assert faults("loss_bias", 0.1).loss_bias(99) == 0 and faults("loss_bias", 0.1).loss_bias(100)
     assert faults("data_repeat", 0.0).data_step(100) == 1
     assert faults("data_repeat", 0.25).data_step(120) == 70
-    assert faults("nan").poisons_loss(100) and not faults("nan").poisons_loss(101)
+    assert faults("nan_loss").poisons_loss(100) and not faults("nan_loss").poisons_loss(101)
     assert faults("loss_kernel", 0.875).kept_every(99) == 1
     assert faults("loss_kernel", 0.875).kept_every(100) == 8
     assert off.kept_every(150) == 1
@@ -128,7 +128,7 @@ def test_a_fault_runs_nan_is_its_outcome_not_a_failure(tmp_path: Path):
     """role=fault: the NaN ends the run with its curve written (the experiment measures it)."""
     from collapse.runspec import FaultInjection
 
-    fault = FaultInjection(kind="nan", at_fraction=0.5, name="nan")
+    fault = FaultInjection(kind="nan_loss", at_fraction=0.5, name="nan-loss")
     spec = tiny_spec(tmp_path, steps=10, fault=fault).model_copy(update={"role": "fault"})
     proc = run_training(spec, tmp_path)
     _ok(proc)

@@ -166,7 +166,7 @@ class SweepSpec(_Spec):
         return grid
 
 
-FAULT_KINDS = ("loss_kernel", "lr_spike", "data_repeat", "nan", "wrong_tau")
+FAULT_KINDS = ("loss_kernel", "lr_spike", "data_repeat", "nan_loss", "wrong_tau")
 
 
 class FaultSpec(_Spec):
@@ -174,8 +174,9 @@ class FaultSpec(_Spec):
 
     magnitude: loss_kernel, the share of tokens the broken reduction drops (0.875: keeps 1 in 8);
     lr_spike, the LR factor for 1 % of the schedule; data_repeat, how far the data rewinds as a
-    fraction of training (0: to the start); nan and wrong_tau ignore it. wrong_tau is a planning
-    fault: the size keeps the smallest size's weight decay (lambda not rescaled, so tau drifts).
+    fraction of training (0: to the start); nan_loss and wrong_tau ignore it. wrong_tau is a
+    planning fault: the size keeps the smallest size's weight decay (lambda not rescaled, so tau
+    drifts).
     """
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$")]

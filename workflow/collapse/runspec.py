@@ -128,7 +128,7 @@ class FaultInjection(_Strict):
     """
 
     kind: Literal[
-        "none", "loss_bias", "loss_kernel", "lr_spike", "data_repeat", "nan", "wrong_tau"
+        "none", "loss_bias", "loss_kernel", "lr_spike", "data_repeat", "nan_loss", "wrong_tau"
     ] = "none"
     at_fraction: float = 0.0
     magnitude: float = 0.0

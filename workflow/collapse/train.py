@@ -332,8 +332,8 @@ class Faults:
         return max(1, step - rewind)
 
     def poisons_loss(self, step: int) -> bool:
-        """nan: the training loss of the fault step is NaN (gradients too)."""
-        return self.kind == "nan" and step == self.step
+        """nan_loss: the training loss of the fault step is NaN (gradients too)."""
+        return self.kind == "nan_loss" and step == self.step
 
     def kept_every(self, step: int) -> int:
         """loss_kernel (the paper's failure: a loss kernel that goes wrong at the micro-batch
