@@ -113,6 +113,14 @@ def test_unknown_family_suggests_the_closest():
         load_config(["family=tinny"])
 
 
+def test_override_of_a_field_the_yaml_leaves_out_says_to_prefix_plus():
+    with pytest.raises(ConfigError, match=r"family.gates.monitor: .*\+family.gates.monitor=VALUE"):
+        load_config(["family.gates.monitor=false"])
+    assert load_config(["+family.gates.monitor=false"]).family.gates.monitor is False
+    with pytest.raises(ConfigError, match=r"monitr.*did you mean 'monitor'"):
+        load_config(["+family.gates.monitr=false"])
+
+
 # Each malformed spec: (what to break, the words the message must contain).
 def _set(path, value):
     def edit(raw):

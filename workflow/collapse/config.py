@@ -458,6 +458,13 @@ def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
                 f"{group}: no config named {name!r}{_did_you_mean(name, options)}; "
                 f"available: {', '.join(options)} (files in {config_dir / group})"
             )
+    if text.startswith("Could not override '"):
+        key = text.split("'", 2)[1]
+        return (
+            f"config overrides: {key}: not set in the composed YAML, so Hydra cannot override it; "
+            f"to set a field the YAML leaves at its default, prefix it with '+' "
+            f"(+{key}=VALUE); a misspelled field is then named with the valid keys"
+        )
     return f"config overrides: {text.splitlines()[0]}"
 
 
