@@ -117,7 +117,9 @@ def test_faults_resolve_to_steps(tmp_path: Path):
     assert faults("lr_spike").lr_factor(100) == 2.0 and faults("lr_spike").lr_factor(102) == 1.0
     assert faults("loss_bias", 0.1).loss_bias(99) == 0 and faults("loss_bias", 0.1).loss_bias(100)
     assert faults("data_repeat", 0.0).data_step(100) == 1
-    assert faults("data_repeat", 0.25).data_step(120) == 70
+    assert faults("data_repeat", 0.0).data_step(150) == 51  # rewound once, then onward
+    loop = faults("data_repeat", 0.02)  # steps 96-99 replayed in a loop from step 100 on
+    assert [loop.data_step(s) for s in (99, 100, 103, 104, 150)] == [99, 96, 99, 96, 98]
     assert faults("nan_loss").poisons_loss(100) and not faults("nan_loss").poisons_loss(101)
     assert faults("loss_kernel", 0.875).kept_every(99) == 1
     assert faults("loss_kernel", 0.875).kept_every(100) == 8

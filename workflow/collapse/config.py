@@ -173,10 +173,10 @@ class FaultSpec(_Spec):
     """One injected fault (collapse.train.Faults says what each kind does to the run).
 
     magnitude: loss_kernel, the share of tokens the broken reduction drops (0.875: keeps 1 in 8);
-    lr_spike, the LR factor for 1 % of the schedule; data_repeat, how far the data rewinds as a
-    fraction of training (0: to the start); nan_loss and wrong_tau ignore it. wrong_tau is a
-    planning fault: the size keeps the smallest size's weight decay (lambda not rescaled, so tau
-    drifts).
+    lr_spike, the LR factor for 1 % of the schedule; data_repeat, the window of the last
+    batches (a fraction of training) that the loader replays in a loop (0: rewind to the start);
+    nan_loss and wrong_tau ignore it. wrong_tau is a planning fault: the size keeps the smallest
+    size's weight decay (lambda not rescaled, so tau drifts).
     """
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$")]

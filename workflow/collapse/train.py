@@ -324,12 +324,15 @@ class Faults:
         return self.magnitude if active else 1.0
 
     def data_step(self, step: int) -> int:
-        """data_repeat: from the fault step the data rewinds by magnitude x T steps (to the
-        start of training when magnitude is 0), so already-seen batches are trained on again."""
+        """data_repeat: from the fault step the loader replays the last magnitude x T steps'
+        batches over and over (a loader stuck on a window of its shard), so the model memorizes
+        them; magnitude 0 rewinds once to the start of training and goes on from there."""
         if self.kind != "data_repeat" or step < self.step:
             return step
-        rewind = round(self.magnitude * self.total_steps) if self.magnitude > 0 else self.step - 1
-        return max(1, step - rewind)
+        if self.magnitude <= 0:
+            return step - self.step + 1
+        window = min(self.step - 1, max(1, round(self.magnitude * self.total_steps)))
+        return max(1, self.step - window + (step - self.step) % max(1, window))
 
     def poisons_loss(self, step: int) -> bool:
         """nan_loss: the training loss of the fault step is NaN (gradients too)."""
