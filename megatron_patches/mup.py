@@ -181,12 +181,17 @@ def init_parameters(
 
 
 # ------------------------------------------------------------------------------ optimizer
-def lr_overrides(lr: Mapping[str, float], tied_embeddings: bool = False) -> dict:
+def lr_overrides(
+    lr: Mapping[str, float],
+    tied_embeddings: bool = False,
+    wd_mult: Mapping[str, float] | None = None,
+) -> dict:
     """``config_overrides`` for get_megatron_optimizer: one group per µP group.
 
-    Every group has its own peak LR (``max_lr``, decayed to ``min_lr`` 0); norms and biases get
-    no weight decay. Groups that differ only in LR need ``optimizer_groups.apply_group_key_fix``
-    to survive a checkpoint load (``megatron_patches.apply`` installs it).
+    Every group has its own peak LR (``max_lr``, decayed to ``min_lr`` 0) and weight decay
+    multiplier (``wd_mult``; by default 1, and 0 for norms and biases). Groups that differ only
+    in LR need ``optimizer_groups.apply_group_key_fix`` to survive a checkpoint load
+    (``megatron_patches.apply`` installs it).
     """
     from megatron.core.optimizer.optimizer_config import ParamKey, ParamWithNamePredicate
     from megatron.core.optimizer_param_scheduler import ParamGroupOverride
@@ -204,6 +209,6 @@ def lr_overrides(lr: Mapping[str, float], tied_embeddings: bool = False) -> dict
         overrides[key] = ParamGroupOverride(
             max_lr=float(lr[group]),
             min_lr=0.0,
-            wd_mult=0.0 if group == "norm_bias" else 1.0,
+            wd_mult=float(wd_mult[group]) if wd_mult else (0.0 if group == "norm_bias" else 1.0),
         )
     return overrides

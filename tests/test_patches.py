@@ -254,6 +254,13 @@ def test_lr_overrides_give_one_group_per_mup_group(megatron_world):
     assert by_lr[2.0]["wd_mult"] == 0.0 and all(p.dim() == 1 for p in by_lr[2.0]["params"])
     assert all(g["wd_mult"] == 1.0 for lr, g in by_lr.items() if lr != 2.0)
     assert by_lr[0.125]["params"] == [model.output_layer.weight]
+    wd = {"embedding": 0.25, "hidden": 1.0, "output_proj": 1.0, "unembedding": 0.25,
+          "norm_bias": 0.0}  # fmt: skip
+    groups = _get_param_groups(
+        [model], OptimizerConfig(lr=0.5, weight_decay=0.1), mup.lr_overrides(lrs, wd_mult=wd)
+    )
+    by_lr = {g["max_lr"]: g for g in groups if g["params"]}
+    assert {lr: by_lr[lr]["wd_mult"] for lr in by_lr} == {lrs[k]: v for k, v in wd.items()}
 
 
 def test_unknown_parameters_are_an_error():

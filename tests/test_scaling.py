@@ -336,6 +336,19 @@ def test_mup_multipliers_by_hand():
     assert mup.lr_hidden == mup.lr_output_proj == pytest.approx(1.62e-2 / 8)
     assert mup.lr_embedding == mup.lr_unembedding == mup.lr_norm_bias == 1.62e-2
     assert mup.adam_eps == 1e-8
+    assert mup.wd_mult_embedding == mup.wd_mult_unembedding == 1.0  # "coupled", the default
+
+
+def test_same_tau_decays_the_embeddings_on_the_hidden_timescale():
+    a = celerity_arch(2048, 16, 128, 40)
+    mup = mup_parameterization(a, kind="mup", embedding_decay="same_tau", **BASE)
+    # lr_group x wd_mult x lambda is the hidden group's lr x lambda: 1/8 at width multiplier 8
+    assert mup.wd_mult_embedding == mup.wd_mult_unembedding == pytest.approx(1 / 8)
+    assert mup.lr_embedding * mup.wd_mult_embedding == pytest.approx(mup.lr_hidden)
+    cp = mup_parameterization(a, kind="completep", embedding_decay="same_tau", **BASE)
+    assert cp.lr_unembedding * cp.wd_mult_unembedding == pytest.approx(cp.lr_hidden)
+    with pytest.raises(ValueError, match="embedding_decay"):
+        mup_parameterization(a, kind="mup", embedding_decay="decoupled", **BASE)
 
 
 def test_completep_depth_scaling_by_hand():

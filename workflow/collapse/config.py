@@ -105,6 +105,11 @@ class ParameterizationSpec(_Spec):
     beta2: Annotated[float, Field(ge=0, lt=1)] = 0.95
     eps: PositiveFloat = 1e-8
     completep_alpha: Annotated[float, Field(ge=0.5, le=1.0)] = 1.0
+    # AdamW decays a group by lr_group x lambda per step. "coupled": one lambda for every matrix,
+    # so the (un)embedding, at LR eta_base, has timescale tau / m_d, shorter than the hidden
+    # weights' tau by the width multiplier; "same_tau": its weight decay is scaled by
+    # lr_hidden / lr_embedding, so every decayed group has the family's tau.
+    embedding_decay: Literal["coupled", "same_tau"] = "coupled"
 
 
 class BatchSpec(_Spec):

@@ -121,6 +121,17 @@ def lr_by_group(spec: RunSpec) -> dict[str, float]:
     }
 
 
+def wd_mult_by_group(spec: RunSpec) -> dict[str, float]:
+    mup = spec.mup
+    return {
+        "embedding": mup.wd_mult_embedding,
+        "hidden": 1.0,
+        "output_proj": 1.0,
+        "unembedding": mup.wd_mult_unembedding,
+        "norm_bias": 0.0,
+    }
+
+
 def build_gpt_model(spec: RunSpec, pre_process: bool = True, post_process: bool = True):
     """GPTModel for this rank's pipeline stage, µP-initialised, multipliers attached.
 

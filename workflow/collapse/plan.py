@@ -320,6 +320,7 @@ def parameterize(arch: ModelArch, p: ParameterizationSpec, eta_base: float):
         beta2=p.beta2,
         eps=p.eps,
         completep_alpha=p.completep_alpha,
+        embedding_decay=p.embedding_decay,
     )
 
 

@@ -58,6 +58,10 @@ class Parameterization(_Strict):
     lr_output_proj: float
     lr_unembedding: float
     lr_norm_bias: float
+    # weight decay multipliers of the (un)embedding (embedding_decay: 1 coupled, else
+    # lr_hidden / lr_embedding); hidden matrices and output projections have 1, norms/biases 0
+    wd_mult_embedding: float = 1.0
+    wd_mult_unembedding: float = 1.0
     adam_beta1: float
     adam_beta2: float
     adam_eps: float

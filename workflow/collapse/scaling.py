@@ -225,6 +225,7 @@ def mup_parameterization(
     beta2: float,
     eps: float,
     completep_alpha: float = 1.0,
+    embedding_decay: Literal["coupled", "same_tau"] = "coupled",
 ) -> Parameterization:
     """Per-group init stds, LRs and multipliers for µP, CompleteP or standard parameterization.
 
@@ -241,6 +242,9 @@ def mup_parameterization(
     eps x 1/(m_d m_L^alpha). Megatron has one eps for all groups: the hidden-layer value is used.
     "sp": every multiplier 1, one LR eta_base, std sigma_base (output projections
     sigma_base/sqrt(2L), Megatron's default), attention 1/sqrt(d_head); eps as given.
+    Weight decay: AdamW shrinks a group by lr_group x lambda per step, so tau (defined with the
+    hidden LR, PAPER.md section 2) holds for the (un)embedding only with its weight decay x
+    lr_hidden / eta_base ("same_tau"); "coupled" leaves it at 1 (timescale tau / m_d).
     """
     _positive_int("d_base", d_base)
     _positive_int("depth_base", depth_base)
@@ -248,6 +252,10 @@ def mup_parameterization(
     _positive("eta_base", eta_base)
     if kind not in ("mup", "completep", "sp"):
         raise ValueError(f"kind must be 'mup', 'completep' or 'sp', got {kind!r}")
+    if embedding_decay not in ("coupled", "same_tau"):
+        raise ValueError(
+            f"embedding_decay must be 'coupled' or 'same_tau', got {embedding_decay!r}"
+        )
     if not 0.5 <= completep_alpha <= 1.0:
         raise ValueError(f"completep_alpha must be in [0.5, 1] (CompleteP), got {completep_alpha}")
     layers = arch.n_layers
@@ -285,6 +293,7 @@ def mup_parameterization(
     else:
         depth_mult, residual_multiplier, depth_lr_mult, adam_eps = 1.0, 1.0, 1.0, eps
     hidden_lr = eta_base / width_mult * depth_lr_mult
+    wd_mult = hidden_lr / eta_base if embedding_decay == "same_tau" else 1.0
     return Parameterization(
         kind=kind,
         d_base=d_base,
@@ -304,6 +313,8 @@ def mup_parameterization(
         lr_output_proj=hidden_lr,
         lr_unembedding=eta_base,
         lr_norm_bias=eta_base * depth_lr_mult,
+        wd_mult_embedding=wd_mult,
+        wd_mult_unembedding=wd_mult,
         adam_beta1=beta1,
         adam_beta2=beta2,
         adam_eps=adam_eps,

@@ -232,7 +232,13 @@ def build_stack(spec: RunSpec) -> Stack:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from collapse.model import build_gpt_model, count_parameters, lr_by_group, params_dtype
+    from collapse.model import (
+        build_gpt_model,
+        count_parameters,
+        lr_by_group,
+        params_dtype,
+        wd_mult_by_group,
+    )
     from megatron_patches.mup import lr_overrides
 
     on_gpu = torch.cuda.is_available()
@@ -279,7 +285,9 @@ def build_stack(spec: RunSpec) -> Stack:
             use_distributed_optimizer=use_distributed_optimizer,
         ),
         [model],
-        config_overrides=lr_overrides(lr_by_group(spec), spec.model.tied_embeddings),
+        config_overrides=lr_overrides(
+            lr_by_group(spec), spec.model.tied_embeddings, wd_mult_by_group(spec)
+        ),
     )
     scheduler = OptimizerParamScheduler(
         optimizer,
