@@ -316,3 +316,25 @@ def test_alibi_matches_an_explicit_computation(megatron_world):
     scores = scores.masked_fill(j > i, -math.inf)
     expected = (scores.softmax(-1) @ vb).permute(2, 0, 1, 3).reshape(8, 2, 32)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_the_optimizer_decays_each_group_by_the_specs_multiplier(megatron_world, tmp_path):
+    from test_train_support import tiny_spec
+
+    from collapse.train import build_stack
+
+    spec = tiny_spec(tmp_path)
+    wd = {"wd_mult_embedding": 0.25, "wd_mult_unembedding": 0.5}
+    spec = spec.model_copy(update={"mup": spec.mup.model_copy(update=wd)})
+    stack = build_stack(spec)
+    gpt = stack.model.module
+    by_param = {id(p): g for g in stack.optimizer.param_groups for p in g["params"]}
+
+    def decay(param):
+        group = by_param[id(param)]
+        return group["wd_mult"], group["weight_decay"]
+
+    assert decay(gpt.embedding.word_embeddings.weight) == pytest.approx((0.25, 0.025))
+    assert decay(gpt.output_layer.weight) == pytest.approx((0.5, 0.05))
+    assert decay(gpt.decoder.layers[0].mlp.linear_fc1.weight) == pytest.approx((1.0, 0.1))
+    assert decay(gpt.decoder.final_layernorm.weight)[0] == 0.0
