@@ -255,3 +255,42 @@ def test_cli_names_the_sizes_it_has(tmp_path, capsys):
     assert "s1, s2, s3" in capsys.readouterr().err
     assert run_cli([*argv[:2], "s1", "--fraction", "1.5", "--out", str(tmp_path)]) == 2
     assert "fraction 1.5" in capsys.readouterr().err
+
+
+def test_cli_with_a_surrogate_predicts_a_tau_never_run(tmp_path, capsys):
+    """Eq. 4 fitted on small runs at tau 0.1 and 0.4 is the reference of runs at tau 0.2."""
+    from collapse.surrogate import fit_surrogate
+
+    def b_of(tau):  # the family's true shape parameter: b = 0.3 tau^0.5
+        return 0.3 * tau**0.5
+
+    grid = T_HAT[9::10]
+    small = [eq4_ell(grid, b_of(tau), SHAPE_Q) for tau in (0.1, 0.4)]
+    fit = fit_surrogate(grid, np.vstack(small), [0.1, 0.4], [20.0, 20.0])
+    fit.write_json(tmp_path / "surrogate.json")
+    rows = []
+    for seed, final_loss in enumerate((3.0, 2.8)):
+        rng = np.random.default_rng(seed)
+        loss = final_loss * eq4_ell(T_HAT, b_of(0.2), SHAPE_Q)
+        loss *= 1 + NOISE_REL * rng.standard_normal(STEPS)
+        rows.append(pd.DataFrame({"run": f"tau0.2_{seed}", "step": range(1, STEPS + 1)}))
+        rows[-1]["loss"], rows[-1]["tau"], rows[-1]["tpp"] = loss, 0.2, 20.0
+    curves = tmp_path / "curves.csv"
+    pd.concat(rows).to_csv(curves, index=False)
+    out = tmp_path / "out"
+    argv = [str(curves), "--fraction", "0.3", "--out", str(out)]
+    assert run_cli([*argv, "--reference", str(tmp_path / "surrogate.json")]) == 0
+    error = pd.read_csv(out / "predictions.csv").groupby("method")["abs_error_pct"].max()
+    assert error["collapse"] < 1.0 < 5 < error["current"]
+    # the tau 0.1 run's shape as the reference (what one small run gives) is clearly worse
+    ell = eq4_ell(T_HAT, b_of(0.1), SHAPE_Q)
+    pd.DataFrame({"t_hat": T_HAT, "ell": ell, "lower": ell, "upper": ell}).to_csv(
+        tmp_path / "reference.csv", index=False
+    )
+    assert run_cli([*argv, "--reference", str(tmp_path / "reference.csv")]) == 0
+    wrong = pd.read_csv(out / "predictions.csv").groupby("method")["abs_error_pct"].max()
+    assert wrong["collapse"] > 2 * error["collapse"]
+    # without the runs' controls there is nothing to draw the surrogate at
+    pd.concat(rows).drop(columns=["tau"]).to_csv(curves, index=False)
+    assert run_cli([*argv, "--reference", str(tmp_path / "surrogate.json")]) == 2
+    assert "needs per-run columns tau and tpp" in capsys.readouterr().err

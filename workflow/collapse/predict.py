@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +24,17 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import lsq_linear
 
-from collapse.curves import Curves, ordered_sizes, read_curves, resample, size_labels, smooth
+from collapse.curves import (
+    Curves,
+    default_grid,
+    ordered_sizes,
+    read_curves,
+    resample,
+    size_labels,
+    smooth,
+)
 from collapse.reference import ReferenceCurve, early_align, reference_curve
+from collapse.surrogate import SurrogateFit
 
 METHODS = ("collapse", "current", "powerlaw")
 
@@ -255,9 +264,32 @@ def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float 
     return reference_curve(resample(curves.select(runs)), offset=offset), list(runs)
 
 
+def surrogate_references(curves: Curves, fit: SurrogateFit) -> dict[str, ReferenceCurve]:
+    """Each run's reference drawn from the Eq. 4 surrogate at the run's own tau and TPP.
+
+    Source: PAPER.md section 5: the parametric curve gives a reference for controls that were
+    never run. The band is +- the fit's mean absolute error; there is no seed noise.
+    """
+    missing = [c for c in ("tau", "tpp") if c not in curves.meta.columns]
+    if missing or curves.meta[["tau", "tpp"]].isna().any().any():
+        raise ValueError(
+            "a surrogate reference needs per-run columns tau and tpp (the run's controls) for "
+            "every run; add them to the curves or --runs-csv, or give a reference.csv instead"
+        )
+    grid = default_grid()
+    references = {}
+    for run, (tau, tpp) in curves.meta[["tau", "tpp"]].astype(float).iterrows():
+        ell = fit.params.ell(grid, tau, tpp)
+        nan = np.full_like(grid, np.nan)
+        references[run] = ReferenceCurve(
+            grid, ell, ell - fit.mae, ell + fit.mae, nan, nan, sizes=["surrogate"]
+        )
+    return references
+
+
 def predict_runs(
     curves: Curves,
-    reference: ReferenceCurve,
+    reference: ReferenceCurve | Mapping[str, ReferenceCurve],
     fractions: Sequence[float],
     *,
     runs: Sequence[str] | None = None,
@@ -269,6 +301,7 @@ def predict_runs(
     t_hat comes from the curves (step / full length: the ``steps`` column, else the largest
     step). A run that has not reached a fraction is skipped there. One row per run x fraction
     x method, columns PREDICTION_COLUMNS (plus ``sweep`` when the metadata has it).
+    ``reference`` is one curve for every run, or one per run (``surrogate_references``).
     """
     data = curves.data
     if "loss_smooth" not in data.columns:
@@ -277,6 +310,7 @@ def predict_runs(
     by_run = dict(tuple(data.groupby("run", sort=False)))
     for run in runs if runs is not None else curves.runs:
         curve = by_run[run]
+        ref = reference[run] if isinstance(reference, Mapping) else reference
         t_hat = curve["t_hat"].to_numpy(float)
         loss = curve["loss_smooth"].to_numpy(float)
         complete = bool(curves.meta.at[run, "complete"])
@@ -291,11 +325,11 @@ def predict_runs(
                     p = predict_final_loss(
                         t_hat[keep],
                         loss[keep],
-                        reference.t_hat,
-                        reference.ell,
+                        ref.t_hat,
+                        ref.ell,
                         method=method,
-                        reference_lower=reference.lower,
-                        reference_upper=reference.upper,
+                        reference_lower=ref.lower,
+                        reference_upper=ref.upper,
                         offset=offset,
                         window=window,
                     )
@@ -367,7 +401,9 @@ def add_cli(subparsers) -> None:
         "--reference",
         type=Path,
         metavar="DIR/reference.csv",
-        help="a reference.csv (t_hat, ell, lower, upper) or the directory holding it",
+        help="a reference.csv (t_hat, ell, lower, upper) or the directory holding it; or a "
+        "surrogate.json (the Eq. 4 fit `collapse analyze` writes), drawn at each run's own tau "
+        "and tpp: a reference for controls never run",
     )
     source.add_argument(
         "--reference-sizes",
@@ -408,7 +444,13 @@ def _cli(args: argparse.Namespace) -> int:
         curves = smooth(read_curves(args.curves, args.runs_csv))
         if args.reference is not None:
             path = args.reference / "reference.csv" if args.reference.is_dir() else args.reference
-            reference, reference_runs = ReferenceCurve.read_csv(path), []
+            if path.suffix == ".json":
+                fit = SurrogateFit.read_json(path)
+                for note in fit.notes:
+                    print(f"warning: surrogate {path}: {note}", file=sys.stderr)
+                reference, reference_runs = surrogate_references(curves, fit), []
+            else:
+                reference, reference_runs = ReferenceCurve.read_csv(path), []
         else:
             reference, reference_runs = reference_from_sizes(
                 curves, args.reference_sizes.split(","), offset=args.offset
