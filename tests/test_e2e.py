@@ -94,6 +94,13 @@ def test_fault_detection_experiment(smoke):
     assert nan.alarm_t_hat.nunique() == 1 and nan.alarm_t_hat.iloc[0] == pytest.approx(
         0.55, abs=0.02
     )
+
+    # the replayed batches are memorized: the training loss ends well below a clean seed's
+    def final_loss(fault: str) -> float:
+        run = detections[detections.fault == fault].run.iloc[0]
+        return pd.read_parquet(smoke / "runs" / run / "curve.parquet").loss.iloc[-10:].mean()
+
+    assert final_loss("data-repeat") < 0.9 * final_loss("clean")
     wrong_tau = detections[detections.fault == "wrong-tau"]
     assert (wrong_tau.fault_t_hat == 0).all()
     assert "Fault detection" in (smoke / "report" / "index.md").read_text()
