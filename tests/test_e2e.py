@@ -8,19 +8,15 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from workflow_cli import snakemake_cmd
 
 from collapse.layout import CURVE_COLUMNS
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ci]
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(workdir), "--cores", "2",
-        "--config", "family=smoke", "faults=standard", *args,
-    ]  # fmt: skip
+    cmd = snakemake_cmd(workdir, "--config", "family=smoke", "faults=standard", *args)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=2700)
 
 

@@ -18,7 +18,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from test_train_support import (
     write_indexed_dataset,
     write_spec,
 )
+from workflow_cli import snakemake_cmd
 
 from collapse import checkpoint
 from collapse.runspec import RunSpec
@@ -285,10 +285,7 @@ def test_a_save_that_fails_midway_keeps_the_previous_checkpoint(tmp_path, refere
 
 # ------------------------------------------------------------------------------ two writers
 def _snakemake(workdir: Path, log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(workdir), "--cores", "1", "plan", "--config", "family=smoke",
-    ]  # fmt: skip
+    cmd = snakemake_cmd(workdir, "plan", "--config", "family=smoke", cores=1)
     with log.open("w") as handle:
         return subprocess.Popen(
             cmd, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True

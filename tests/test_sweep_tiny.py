@@ -3,25 +3,15 @@ training, each predicted against the small d48 run of its own tau, every variant
 the end for the truth. About 4.5 minutes on two cores (262 s measured), so marked slow and left
 out of CI's subset (the smoke family's sweep in the e2e test is in it)."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pandas as pd
 import pytest
+from workflow_cli import run_snakemake
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
 def test_tiny_tau_sweep_predicts_better_than_the_loss_now(tmp_path):
-    target = "results/tiny/sweeps/tau/metrics.csv"
-    cmd = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(tmp_path), "--cores", "2", target,
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)
-    assert out.returncode == 0, out.stderr[-5000:]
+    run_snakemake(tmp_path, "results/tiny/sweeps/tau/metrics.csv", timeout=2400)
 
     sweep = tmp_path / "results/tiny/sweeps/tau"
     preds = pd.read_csv(sweep / "predictions.csv")

@@ -1,25 +1,17 @@
 """The tiny family's smallest size trains for real through Snakemake: plan, data, train."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from workflow_cli import run_snakemake
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.ci]
 
 
 def test_smallest_tiny_size_trains_through_snakemake(tmp_path):
     target = "results/tiny/runs/d48-tpp5-s0/curve.parquet"
-    cmd = [
-        sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-        "--directory", str(tmp_path), "--cores", "2", target,
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stderr[-5000:]
+    run_snakemake(tmp_path, target, timeout=1200)
 
     run_dir = tmp_path / "results/tiny/runs/d48-tpp5-s0"
     spec = json.loads((tmp_path / "results/tiny/plan/runs/d48-tpp5-s0.json").read_text())
@@ -32,5 +24,5 @@ def test_smallest_tiny_size_trains_through_snakemake(tmp_path):
     assert "ETA" in log and "tokens/s" in log
     assert (tmp_path / "results/tiny/benchmarks/train/d48-tpp5-s0.tsv").is_file()
 
-    again = subprocess.run([*cmd, "-n"], capture_output=True, text=True, timeout=300)
+    again = run_snakemake(tmp_path, target, "-n", timeout=300)
     assert "Nothing to be done" in again.stdout + again.stderr
