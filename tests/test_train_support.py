@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from workflow_cli import REPO
 
 from collapse.runspec import (
     Logging,
@@ -24,7 +25,6 @@ from collapse.runspec import (
 )
 
 VOCAB = 256
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_indexed_dataset(prefix: Path, n_docs: int, seed: int, vocab: int = VOCAB) -> None:

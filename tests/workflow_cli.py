@@ -9,8 +9,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def snakemake_cmd(workdir: Path, *args: str, cores: int = 2) -> list[str]:
-    """``python -m snakemake`` on the repo's Snakefile in ``workdir``; ``args`` follow (targets,
-    then any ``--config``, which must come last since it takes every value after it)."""
+    """``python -m snakemake`` on the repo's Snakefile in ``workdir``; ``args`` follow (targets
+    before any ``--config``, which takes every value after it up to the next option)."""
     return [
         sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
         "--directory", str(workdir), "--cores", str(cores), *args,
