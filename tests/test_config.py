@@ -11,7 +11,7 @@ from collapse.config import (
     load_config,
     validate_config,
 )
-from collapse.plan import plan_family
+from collapse.plan import plan_family, plan_report_markdown
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,32 @@ def test_tiny_is_cpu_sized_and_spans_8x():
     assert fam["size"].nunique() >= 4
     assert fam.params.max() / fam.params.min() >= 8
     assert (fam.gpus == 0).all()
+
+
+def test_a_size_that_repeats_the_corpus_is_warned_about(tmp_path, capsys):
+    """Tiny's d192 sees 5.43M tokens of a 5.05M-token corpus (measured): the plan says so, with
+    the fix, in its warnings, its report and on stderr; a corpus big enough gives no warning."""
+    from collapse.cli import main
+
+    plan = plan_family(load_config([]), corpus_tokens=5_049_189)
+    [warning] = plan.warnings()
+    assert "seen more than once by d192 (1.08 epochs of 5.43M tokens)" in warning
+    assert "family.data.sources" in warning and "family.tpp" in warning
+    assert "## Warnings" in plan_report_markdown(plan)
+    assert plan_family(load_config([]), corpus_tokens=6_000_000).warnings() == []
+    assert "## Warnings" not in plan_report_markdown(
+        plan_family(load_config([]), corpus_tokens=6_000_000)
+    )
+    # before the data exists the estimate (bytes per token at vocab 512) sees it too
+    assert main(["plan", "--out", str(tmp_path)]) == 0
+    assert "warning: the corpus is seen more than once by d192" in capsys.readouterr().err
+    # a capped corpus names the cap as the first fix
+    [capped] = plan_family(
+        load_config(["+family.data.max_corpus_bytes=1000000"]), corpus_tokens=500_000
+    ).warnings()
+    assert (
+        capped.count("epochs of") == 5 and "raise family.data.max_corpus_bytes (1MB now)" in capped
+    )
 
 
 def test_celerity_matches_the_paper_table():

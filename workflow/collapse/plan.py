@@ -31,6 +31,7 @@ from collapse.config import (
     TauPowerLaw,
     load_config,
 )
+from collapse.data import DataConfig
 from collapse.layout import FamilyLayout
 from collapse.runspec import (
     FaultInjection,
@@ -69,6 +70,36 @@ class Plan:
 
     def spec(self, run: str) -> RunSpec:
         return next(r for r in self.runs if r.run == run)
+
+    def warnings(self) -> list[str]:
+        """What the plan allows but a user should know before spending the compute."""
+        return repeated_data_warnings(self.table, self.config.family.data)
+
+
+def repeated_data_warnings(table: pd.DataFrame, data: DataConfig) -> list[str]:
+    """A line naming the sizes whose runs see the corpus more than once, and the fixes.
+
+    Repeated tokens lower a run's training loss by memorization in its last part, which bends its
+    normalized curve away from the family's (a confound for collapse and for the fault monitor).
+    """
+    over = (
+        table[table["epochs"] > 1.0]
+        .groupby("size", sort=False)
+        .agg(epochs=("epochs", "max"), tokens=("tokens", "max"))
+    )
+    if over.empty:
+        return []
+    sizes = ", ".join(
+        f"{size} ({row.epochs:.2f} epochs of {_si(row.tokens)} tokens)"
+        for size, row in over.iterrows()
+    )
+    fixes = "add a source to family.data.sources, lower family.tpp or drop those sizes"
+    if data.max_corpus_bytes is not None:
+        fixes = f"raise family.data.max_corpus_bytes ({_si(data.max_corpus_bytes)}B now), " + fixes
+    return [
+        f"the corpus is seen more than once by {sizes}: repeated tokens lower the late training "
+        f"loss by memorization and bend the normalized curve. Fix: {fixes}"
+    ]
 
 
 def run_name(size: str, tpp: float, seed: int) -> str:
@@ -552,6 +583,8 @@ def plan_report_markdown(plan: Plan) -> str:
         "![tokens, FLOPs and GPU-hours by size](plan.png)",
         "",
     ]
+    if warnings := plan.warnings():
+        lines += ["## Warnings", "", *(f"- {w}" for w in warnings), ""]
     if cl.executor == "slurm":
         from collapse.launch import sbatch_request
 
@@ -649,6 +682,8 @@ def _cli(args: argparse.Namespace) -> int:
     changed = write_plan(plan, args.out)
     out = args.out or plan.layout.plan_dir
     print(f"planned {len(plan.runs)} runs into {out} ({len(changed)} spec files changed)")
+    for warning in plan.warnings():
+        print(f"warning: {warning}", file=sys.stderr)
     if args.show:
         print(plan_report_markdown(plan))
     return 0

@@ -31,6 +31,10 @@ try:
     PLAN = plan_family(load_config(OVERRIDES))
 except ConfigError as err:
     raise WorkflowError(str(err)) from None
+# What the plan allows but the user should know (e.g. a size that repeats the corpus); the plan
+# report lists them too.
+for warning in PLAN.warnings():
+    print(f"warning: {warning}", file=sys.stderr)
 
 CFG = PLAN.config
 FAMILY = CFG.family
