@@ -197,6 +197,7 @@ def test_family_table_rows_and_values(built):
     assert list(table.index) == list(family.index)
     for col in ("params", "tokens"):
         assert (table[col] == family[col]).all()
+    np.testing.assert_allclose(table["epochs"], family["epochs"])  # NaN: corpus size unknown
     np.testing.assert_allclose(table["flops"], family["flops"], rtol=1e-6)
     complete = [r for r in family.index if r not in (PARTIAL, FAULTY)]
     finals = pd.Series(facts["finals"])[complete]

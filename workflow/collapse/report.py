@@ -808,6 +808,7 @@ def family_table(
                 "seed": r["seed"],
                 "params": r["params"],
                 "tokens": r["tokens"],
+                "epochs": r.get("epochs", np.nan),  # > 1: the run repeats tokens (plan warns)
                 "flops": r["flops"],
                 "trained_fraction": meta["t_hat_max"].get(run, np.nan),
                 "final_train_loss": meta["final_loss"].get(run, np.nan),
@@ -826,6 +827,7 @@ def _family_markdown(table: pd.DataFrame) -> pd.DataFrame:
         shown[col] = shown[col].map(_si)
     shown["tpp_band"] = shown["tpp_band"].map("{:g}".format)
     shown["trained_fraction"] = shown["trained_fraction"].map(_fixed(2))
+    shown["epochs"] = shown["epochs"].map(_fixed(2))
     for col in ("final_train_loss", "heldout_loss", "heldout_ppl"):
         shown[col] = shown[col].map(_fixed(4 if "loss" in col else 2))
     shown["downstream_avg_acc_pct"] = shown["downstream_avg_acc_pct"].map(_fixed(2))
