@@ -107,26 +107,25 @@ def collapse_statistics(
             f"got {len(matrix.meta)}"
         )
     ell = matrix.normalized(offset)
-    with np.errstate(invalid="ignore"):
-        delta = np.nanstd(ell, axis=0, ddof=1) / np.nanmean(ell, axis=0)
     labels = C.size_labels(matrix.meta).to_numpy()
     sizes = [s for s in C.ordered_sizes(matrix.meta)]
     sigma = {}
-    for size in sizes:
-        rows = matrix.loss[labels == size] - offset
-        if len(rows) >= 2:
-            with np.errstate(invalid="ignore"):
-                sigma[size] = np.nanstd(rows, axis=0, ddof=1) / np.nanmean(rows, axis=0)
     grid = matrix.grid
     late = _in(grid, late_window, include_end=False)
-    if sigma:
-        sigma_mean = np.nanmean(np.vstack(list(sigma.values())), axis=0)
-        below = delta[late] < sigma_mean[late]
-        supercollapse = bool(below.mean() >= supercollapse_fraction)
-        delta_over_sigma = float(np.nanmean(delta[late] / sigma_mean[late]))
-    else:
-        sigma_mean = np.full_like(grid, np.nan)
-        supercollapse, delta_over_sigma = None, None
+    with C.nan_columns_expected():
+        delta = np.nanstd(ell, axis=0, ddof=1) / np.nanmean(ell, axis=0)
+        for size in sizes:
+            rows = matrix.loss[labels == size] - offset
+            if len(rows) >= 2:
+                sigma[size] = np.nanstd(rows, axis=0, ddof=1) / np.nanmean(rows, axis=0)
+        if sigma:
+            sigma_mean = np.nanmean(np.vstack(list(sigma.values())), axis=0)
+            below = delta[late] < sigma_mean[late]
+            supercollapse = bool(below.mean() >= supercollapse_fraction)
+            delta_over_sigma = float(np.nanmean(delta[late] / sigma_mean[late]))
+        else:  # no size has two seeds: no noise floor
+            sigma_mean = np.full_like(grid, np.nan)
+            supercollapse, delta_over_sigma = None, None
     score = float(np.nanmean(delta[_in(grid, SCORE_WINDOW, include_end=False)]))
     return FamilyStats(
         t_hat=grid,

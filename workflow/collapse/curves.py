@@ -16,7 +16,9 @@ Input formats (see ``read_curves``): this project's run directories
 
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +36,18 @@ COMPLETE_T_HAT = 1.0 - 1e-3
 # Paper (PAPER.md section 2): moving average over 100 steps; capped for short runs (below).
 PAPER_WINDOW_STEPS = 100
 SHORT_RUN_WINDOW_FRACTION = 0.02
+
+
+@contextlib.contextmanager
+def nan_columns_expected():
+    """Silence numpy's warnings about columns with fewer than two finite values.
+
+    Grid points before a run's first logged step are NaN by design, and so is every statistic
+    over them; numpy's "empty slice" and "degrees of freedom" warnings would only alarm the user.
+    """
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 def default_grid(n_points: int = 200) -> np.ndarray:

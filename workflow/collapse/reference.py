@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from collapse.curves import CurveMatrix, normalize, size_labels
+from collapse.curves import CurveMatrix, nan_columns_expected, normalize, size_labels
 
 ALIGN_WINDOW = (0.25, 0.5)  # PAPER.md section 3: the paper aligns over 25-50 % of training
 BAND_Z = 2.0  # reference band: mean +- 2 std over the reference curves
@@ -217,7 +217,7 @@ def pooled_seed_std(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
         counts = np.sum(np.isfinite(rows), axis=0)
         if rows.shape[0] < 2:
             continue
-        with np.errstate(invalid="ignore"):
+        with nan_columns_expected():
             var = np.nanvar(rows, axis=0, ddof=1)
         ok = counts >= 2
         num[ok] += (counts[ok] - 1) * var[ok]
@@ -248,8 +248,8 @@ def reference_curve(
         )
     ell = matrix.normalized(offset)
     n = np.sum(np.isfinite(ell), axis=0)
-    mean = np.nanmean(ell, axis=0)
-    with np.errstate(invalid="ignore"):
+    with nan_columns_expected():
+        mean = np.nanmean(ell, axis=0)
         std = np.where(n > 1, np.nanstd(ell, axis=0, ddof=1 if len(ell) > 1 else 0), 0.0)
     final, _ = early_align_matrix(matrix.grid, matrix.loss, mean, window, offset)
     aligned = normalize(matrix.loss, final, offset)
