@@ -112,3 +112,12 @@ def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: P
         assert (out / name).stat().st_size > 0
     summary = (out / "detections.md").read_text()
     assert "collapse: 1 of 1 faults detected; 0 false alarm(s)" in summary
+    # the collapse monitors report how close each run came to the threshold; the raw-loss
+    # detectors have no residual
+    slow, quiet = got.loc[("slow", "collapse")], clean[clean.detector == "collapse"]
+    assert slow["peak_residual"] > slow["threshold"] > 0
+    assert (quiet["peak_residual"] < quiet["threshold"]).all() and len(quiet) == 2
+    assert got.loc[("slow", "spike"), ["peak_residual", "threshold"]].isna().all()
+    lo, hi = quiet["peak_residual"].min(), quiet["peak_residual"].max()
+    assert f"threshold {slow['threshold']:.3f}; clean runs' peak |r| {lo:.3f}-{hi:.3f}" in summary
+    assert f"peak {slow['peak_residual']:.3f})" in summary

@@ -25,7 +25,7 @@ the fault and every alarm marked).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +40,9 @@ from collapse.runspec import RunSpec
 DETECTORS = ("collapse", "collapse_own_size", "spike", "rise")
 DETECTIONS_COLUMNS = (
     "run", "fault", "kind", "seed", "fault_t_hat", "detector", "alarm_t_hat", "alarm_step",
-    "delay", "outcome", "detail",
+    "delay", "outcome", "peak_residual", "threshold", "detail",
 )  # fmt: skip
+COLLAPSE_DETECTORS = ("collapse", "collapse_own_size")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Alarm:
 
     index: int | None
     detail: str = ""
+    peak_residual: float | None = None  # collapse monitors: the largest |r| they checked
+    threshold: float | None = None
 
 
 def first_true(mask: np.ndarray) -> int | None:
@@ -106,7 +109,16 @@ def collapse_alarm(
             verdict = monitor.check()
             if verdict.alarm and found.index is None:
                 found = Alarm(i, verdict.message)
-    return found, monitor
+    return replace(found, **_peak(monitor, policy)), monitor
+
+
+def _peak(monitor: OnlineMonitor, policy: GatePolicy) -> dict:
+    """The largest finite |residual| inside the gate window, and the threshold it is held to:
+    how far a missed fault stayed below the alarm, and how close the clean runs came to it."""
+    t, r = monitor.residuals()
+    inside = (t >= policy.window[0]) & (t <= policy.window[1]) & np.isfinite(r)
+    peak = float(np.abs(r[inside]).max()) if inside.any() else None
+    return {"peak_residual": peak, "threshold": monitor.threshold}
 
 
 def outcome(alarm_t: float | None, fault_t: float | None) -> str:
@@ -193,6 +205,8 @@ def detect_run(
                 "alarm_step": None if alarm.index is None else int(steps[alarm.index]),
                 "delay": None if alarm_t is None or at is None else alarm_t - at,
                 "outcome": verdict,
+                "peak_residual": alarm.peak_residual,
+                "threshold": alarm.threshold,
                 "detail": alarm.detail,
             }
         )
@@ -219,7 +233,8 @@ def detection_table(detections: pd.DataFrame) -> pd.DataFrame:
         row = {"run": run, "fault": first["fault"], "fault_t_hat": first["fault_t_hat"]}
         for _, d in group.iterrows():
             at = "never" if pd.isna(d["alarm_t_hat"]) else f"{d['alarm_t_hat']:.3f}"
-            row[d["detector"]] = f"{at} ({d['outcome']})"
+            peak = "" if pd.isna(d["peak_residual"]) else f"; peak {d['peak_residual']:.3f}"
+            row[d["detector"]] = f"{at} ({d['outcome']}{peak})"
         rows.append(row)
     table = pd.DataFrame(rows)
     table["fault_t_hat"] = table["fault_t_hat"].map(lambda x: "" if pd.isna(x) else f"{x:.3f}")
@@ -242,7 +257,31 @@ def summary_lines(detections: pd.DataFrame) -> list[str]:
             f"- {detector}: {caught} of {len(mine)} faults detected; {false} false alarm(s) "
             f"({len(clean[clean['detector'] == detector])} clean runs)"
         )
+        if detector in COLLAPSE_DETECTORS:
+            lines.append(_margin_line(detections[detections["detector"] == detector]))
     return lines
+
+
+def _margin_line(rows: pd.DataFrame) -> str:
+    """Peak |residual| of the clean runs and the missed faults against the threshold: a missed
+    fault whose peak lies among the clean runs' is below this family's noise, not just late."""
+    threshold = rows["threshold"].dropna()
+    clean = rows[(rows["kind"] == "none") & (rows["outcome"] != "in reference")]
+    clean_peaks = clean["peak_residual"].dropna()
+    missed = rows[rows["outcome"] == "missed"].dropna(subset=["peak_residual"])
+    parts = [f"threshold {threshold.iloc[0]:.3f}" if len(threshold) else "no threshold"]
+    if len(clean_peaks):
+        lo, hi = f"{clean_peaks.min():.3f}", f"{clean_peaks.max():.3f}"
+        parts.append(f"clean runs' peak |r| {lo}" + ("" if lo == hi else f"-{hi}"))
+    if len(missed):
+        parts.append(
+            "missed: "
+            + ", ".join(
+                f"{f} peak {p:.3f}"
+                for f, p in zip(missed["fault"], missed["peak_residual"], strict=True)
+            )
+        )
+    return "  - " + "; ".join(parts)
 
 
 def plot_detections(panels: list[dict], path: Path) -> Path:
