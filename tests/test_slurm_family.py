@@ -108,7 +108,7 @@ def test_family_through_slurm_resumes_a_cancelled_training_job(cluster, tmp_path
 
     results = tmp_path / "results" / FAMILY
     checkpoints = results / "checkpoints" / CANCELLED_RUN
-    env = snakemake_env(OMP_NUM_THREADS="2")
+    env = snakemake_env()
     began = time.monotonic()
     first = subprocess.Popen(
         family_args(tmp_path, "--retries", "0"),
