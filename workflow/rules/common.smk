@@ -5,6 +5,7 @@ run; a bad spec stops here, before any job, with a message naming the field and 
 """
 
 import hashlib
+import math
 import os
 import shlex
 import sys
@@ -114,6 +115,14 @@ def detect_runs():
         & t.seed.isin(spec.clean_seeds)
     ]
     return list(own.run) + PLAN.run_names("fault")
+
+
+def train_priority(wildcards):
+    """When cores are short, the reference runs first (every monitored run waits for the
+    reference), then the longest runs first, so that the largest size does not train alone at
+    the end while the other cores idle."""
+    row = PLAN.table.set_index("run").loc[wildcards.run]
+    return (100 if row.is_reference else 0) + math.log10(max(float(row.flops), 1.0))
 
 
 def train_resource(key):

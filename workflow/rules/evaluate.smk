@@ -10,7 +10,7 @@ rule evaluate:
         f"{ROOT}/logs/evals/{{run}}.log",
     conda:
         "../../envs/collapse.yaml"
-    threads: 2
+    threads: 1  # as training: a second job uses the other core (the largest run trains meanwhile)
     params:
         limit=f"--limit {FAMILY.evaluation.limit}" if FAMILY.evaluation.limit else "",
         tasks=",".join(FAMILY.evaluation.tasks),

@@ -10,6 +10,7 @@ rule train:
         f"{ROOT}/logs/train/{{run}}.log",
     benchmark:
         f"{ROOT}/benchmarks/train/{{run}}.tsv"
+    priority: train_priority
     conda:
         "../../envs/collapse.yaml"
     threads: lambda wc: spec_of(wc).resources.threads
