@@ -117,12 +117,16 @@ def detect_runs():
     return list(own.run) + PLAN.run_names("fault")
 
 
+REFERENCE_PRIORITY = 100
+
+
 def train_priority(wildcards):
     """When cores are short, the reference runs first (every monitored run waits for the
-    reference), then the longest runs first, so that the largest size does not train alone at
-    the end while the other cores idle."""
+    reference, whose rule has REFERENCE_PRIORITY), then the longest runs first, so that the
+    largest size does not train alone at the end while the other cores idle."""
     row = PLAN.table.set_index("run").loc[wildcards.run]
-    return (100 if row.is_reference else 0) + math.log10(max(float(row.flops), 1.0))
+    flops_rank = math.log10(max(float(row.flops), 1.0))  # < 30 for any real run
+    return (REFERENCE_PRIORITY if row.is_reference else 0) + flops_rank
 
 
 def train_resource(key):

@@ -8,6 +8,7 @@ rule reference:
         summary=f"{ROOT}/reference/tpp{{band}}/reference.json",
     log:
         f"{ROOT}/logs/reference/tpp{{band}}.log",
+    priority: REFERENCE_PRIORITY  # every monitored run waits for it
     conda:
         "../../envs/collapse.yaml"
     params:
