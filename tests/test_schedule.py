@@ -1,0 +1,43 @@
+"""The order Snakemake trains the default family in when cores are short (a dry run)."""
+
+import re
+
+from workflow_cli import run_snakemake
+
+JOB = re.compile(r"^(?:local)?rule (\w+):$")
+FIELD = re.compile(r"^\s+(wildcards|priority): (.+)$")
+
+
+def dry_run_priorities(workdir) -> dict[tuple[str, str], float]:
+    """(rule, wildcards) -> priority of every job of `snakemake -n` on the default family (a job
+    without a priority line has Snakemake's default, 0)."""
+    out = run_snakemake(workdir, "-n", timeout=300)
+    jobs, job = {}, None
+    for line in [*out.stdout.splitlines(), "rule end:"]:
+        if m := JOB.match(line):
+            if job:
+                jobs[(job["rule"], job.get("wildcards", ""))] = float(job.get("priority", 0))
+            job = {"rule": m.group(1)}
+        elif (m := FIELD.match(line)) and job:
+            job[m.group(1)] = m.group(2)
+    return jobs
+
+
+def test_reference_first_then_the_largest_run(tmp_path):
+    """Every monitored run waits for the reference, so its runs and its rule go first; then the
+    most FLOPs first, so that the largest size does not train alone while the other cores idle."""
+    jobs = dry_run_priorities(tmp_path)
+    train = {w.removeprefix("run="): p for (rule, w), p in jobs.items() if rule == "train"}
+    reference = {f"{size}-tpp5-s{seed}" for size in ("d48", "d64") for seed in range(3)}
+    reference_runs = {r: p for r, p in train.items() if r in reference}
+    others = {r: p for r, p in train.items() if r not in reference}
+    assert len(reference_runs) == 6 and len(others) == 9, sorted(train)
+    reference_rule = jobs[("reference", "band=5")]
+    assert min(reference_runs.values()) > max(others.values())
+    assert reference_rule > max(others.values())
+    assert max(others, key=others.get) == "d192-tpp5-s0"
+    assert (
+        others["d128-tpp5-s0"]
+        > others["sweep-tau-d96-tau0.2-s0"]
+        > others["sweepref-tau-d48-tau0.2-s0"]
+    )
