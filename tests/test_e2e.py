@@ -80,8 +80,9 @@ def test_fault_detection_experiment(smoke):
     detections = pd.read_csv(smoke / "faults" / "detections.csv")
     faults = {"loss-kernel", "lr-spike", "data-repeat", "wrong-tau", "nan-loss"}
     assert set(detections.fault) == faults | {"clean"}
-    assert len(detections) == 4 * (len(faults) + 3)  # four detectors; three clean seeds
-    assert set(detections.detector) == {"collapse", "collapse_own_size", "spike", "rise"}
+    assert len(detections) == 5 * (len(faults) + 3)  # five detectors; three clean seeds
+    detectors = {"collapse", "collapse_own_size", "spike", "rise", "controls"}
+    assert set(detections.detector) == detectors
     known = {"detected", "missed", "false alarm", "quiet", "false alarm (before the fault)"}
     known |= {"in reference"}  # clean seeds 1, 2 build the own-size reference
     assert set(detections.outcome) <= known
@@ -99,6 +100,18 @@ def test_fault_detection_experiment(smoke):
     assert final_loss("data-repeat") < 0.9 * final_loss("clean")
     wrong_tau = detections[detections.fault == "wrong-tau"]
     assert (wrong_tau.fault_t_hat == 0).all()
+    # the controls audit reads the optimizer's log: it sees the unrescaled weight decay from the
+    # first step with an LR, and the LR spike at its first step; the clean seeds realize the
+    # reference's tau, and a fault of the loss or the data leaves the controls alone
+    audit = detections[detections.detector == "controls"].set_index("fault")
+    assert audit.loc["wrong-tau", "outcome"] == "detected"
+    assert audit.loc["wrong-tau", "alarm_t_hat"] < 0.05
+    assert audit.loc["lr-spike", "outcome"] == "detected"
+    assert audit.loc["lr-spike", "alarm_t_hat"] == pytest.approx(0.55, abs=0.01)
+    assert (audit.loc[["loss-kernel", "data-repeat"], "outcome"] == "missed").all()
+    assert (audit.loc["clean", "outcome"] == "quiet").all()
+    summary = (smoke / "faults" / "detections.md").read_text()
+    assert "all detectors together: 5 of 5 faults detected" in summary
     assert "Fault detection" in (smoke / "report" / "index.md").read_text()
     assert (smoke / "report" / "fault_detection.png").stat().st_size > 1000
 

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from test_train_support import losses, run_training, tiny_spec
 
+from collapse import controls
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.scaling import lr_at
 from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, Faults, steps_target
@@ -41,6 +42,11 @@ def test_short_run_writes_the_declared_outputs(tmp_path: Path):
         lr_at(t - 1, peak=spec.mup.lr_hidden, warmup_steps=1, total_steps=12) for t in range(1, 13)
     ]
     assert curve["lr"].tolist() == pytest.approx(expected, rel=1e-12)
+    # lambda as Megatron's param group applied it: the plan's, so the audit finds the spec's tau
+    assert curve["weight_decay"].tolist() == pytest.approx([spec.optim.weight_decay] * 12)
+    tau = 1 / (spec.mup.lr_hidden * spec.optim.weight_decay * 12)  # this spec's, by hand
+    checked = controls.audit(curve, 1, 12, tau, tolerance=1e-6)
+    assert checked.index is None and checked.realized_tau == pytest.approx(tau)
     assert meta["steps_done"] == 12 and meta["final_loss"] == curve["loss"].iloc[-1]
     assert meta["restarts"] == [] and meta["world_size"] == 1
     assert meta["params_counted"] > 0 and meta["versions"]["megatron-core"] == "0.16.1"

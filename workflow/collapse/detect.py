@@ -14,7 +14,11 @@ through three detectors, each with its policy fixed before looking at the runs:
 - ``spike``: a raw-loss spike detector as in OLMo-core's stability monitor (a loss above the
   mean of the previous ``spike_window_steps`` losses by more than ``spike_k_sigma`` std);
 - ``rise``: a smoothed raw-loss rise (the ``rise_window_steps`` trailing mean above its running
-  minimum by more than ``rise_margin``).
+  minimum by more than ``rise_margin``);
+- ``controls``: the controls audit (collapse.controls): the AdamW rate eta_t * lambda the run's
+  optimizer applied against the one the reference runs' tau implies, off by more than
+  ``controls_tolerance``. It reads the optimizer log, not the loss: it is there for the fault
+  the loss cannot show at this scale (a weight decay that was not rescaled).
 
 A non-finite loss fires every detector. An alarm before a fault's first step is a false alarm,
 as is any alarm on a clean run. Outputs: ``detections.csv`` (one row per run and detector),
@@ -31,13 +35,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from collapse import controls
 from collapse.config import DetectorSpec
 from collapse.curves import trailing_mean
 from collapse.gates import GatePolicy
 from collapse.monitor import OnlineMonitor
 from collapse.runspec import RunSpec
 
-DETECTORS = ("collapse", "collapse_own_size", "spike", "rise")
+DETECTORS = ("collapse", "collapse_own_size", "spike", "rise", "controls")
 DETECTIONS_COLUMNS = (
     "run", "fault", "kind", "seed", "fault_t_hat", "detector", "alarm_t_hat", "alarm_step",
     "delay", "outcome", "peak_residual", "threshold", "detail",
@@ -159,6 +164,7 @@ def detect_run(
     out_dir: Path,
     own_reference: Path | None = None,
     in_own_reference: bool = False,
+    reference_tau: float | None = None,
 ) -> tuple[list[dict], dict]:
     """The detectors on one run: detection rows, plus what the figure needs."""
     curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet").sort_values("step")
@@ -182,6 +188,17 @@ def detect_run(
         )
     found["spike"] = spike_alarm(loss, detectors.spike_window_steps, detectors.spike_k_sigma)
     found["rise"] = rise_alarm(loss, steps, detectors.rise_window_steps, detectors.rise_margin)
+    if reference_tau is not None:
+        checked = controls.audit(
+            curve,
+            spec.optim.warmup_steps,
+            spec.optim.steps,
+            reference_tau,
+            detectors.controls_tolerance,
+        )
+        found["controls"] = Alarm(
+            checked.index, checked.detail(steps), checked.peak_deviation, checked.tolerance
+        )
     at = fault_t_hat(spec)
     name = spec.fault.name or ("clean" if spec.fault.kind == "none" else spec.fault.kind)
     rows = []
@@ -259,7 +276,25 @@ def summary_lines(detections: pd.DataFrame) -> list[str]:
         )
         if detector in COLLAPSE_DETECTORS:
             lines.append(_margin_line(detections[detections["detector"] == detector]))
+    lines.append(_first_line(faults))
     return lines
+
+
+def _first_line(faults: pd.DataFrame) -> str:
+    """Which detector saw each fault first: the detectors as one suite."""
+    firsts = []
+    for _, rows in faults.groupby("run", sort=False):
+        hits = rows[rows["outcome"] == "detected"].sort_values("alarm_t_hat", kind="stable")
+        label = rows["fault"].iloc[0]
+        if len(hits):
+            first = hits.iloc[0]
+            firsts.append(f"{label} by {first['detector']} at {first['alarm_t_hat']:.3f}")
+        else:
+            firsts.append(f"{label} missed")
+    caught = sum(not f.endswith("missed") for f in firsts)
+    total = faults["run"].nunique()
+    listed = "; ".join(firsts)
+    return f"- all detectors together: {caught} of {total} faults detected ({listed})"
 
 
 def _margin_line(rows: pd.DataFrame) -> str:
@@ -295,6 +330,7 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
         "collapse_own_size": "tab:purple",
         "spike": "tab:blue",
         "rise": "tab:green",
+        "controls": "tab:orange",
     }
     clean = next((p for p in panels if p["fault_t_hat"] is None), None)
     for j, p in enumerate(panels):
@@ -334,7 +370,7 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
         plt.Line2D([], [], color="black", ls="--", lw=0.9, label="fault starts"),
         plt.Line2D([], [], color="tab:red", ls=":", lw=0.8, label="gate threshold"),
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=6, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8, frameon=False)
     fig.suptitle("Fault detection: collapse monitor vs raw-loss detectors (grey: clean seed)")
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -363,7 +399,13 @@ def run_experiment(
     own = own_size_reference(others, runs_csv, out_dir) if runs_csv is not None else None
     for spec in clean_first:
         mine, panel = detect_run(
-            spec, policy, detectors, out_dir, own, in_own_reference=spec in others
+            spec,
+            policy,
+            detectors,
+            out_dir,
+            own,
+            in_own_reference=spec in others,
+            reference_tau=controls.reference_tau(spec.monitor.reference_csv, runs_csv),
         )
         rows += mine
         panels.append(panel)

@@ -18,6 +18,7 @@ CURVE_COLUMNS = (
     "t_hat",  # float, step / total steps of the full-length schedule
     "loss",  # float, mean training loss of the step (nats/token)
     "lr",  # float, hidden-layer LR at the step
+    "weight_decay",  # float, hidden-layer lambda as the optimizer applied it (NaN: not logged)
     "grad_norm",  # float
     "tokens_per_s",  # float
     "micro_batch_seqs",  # int

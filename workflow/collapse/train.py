@@ -407,6 +407,19 @@ def _reduce_loss(losses: list[dict], extra: list[float]) -> list[float]:
     return [values[0] / max(1.0, values[1]), *values[2:]]
 
 
+def hidden_weight_decay(stack: Stack, spec: RunSpec) -> float:
+    """lambda of the hidden matrices as the optimizer will apply it this step (NaN: no such group).
+
+    Read from the param group, not the spec: the controls audit (collapse.controls) checks the
+    timescale the run realized, whatever the plan said."""
+    for group in stack.optimizer.param_groups:
+        if group.get("wd_mult", 1.0) == 1.0 and math.isclose(
+            group.get("max_lr", math.nan), spec.mup.lr_hidden, rel_tol=1e-9
+        ):
+            return float(group["weight_decay"])
+    return math.nan
+
+
 def train_step(
     stack: Stack, batches: list[dict], spec: RunSpec, fault: LossFault, stop: float
 ) -> tuple[float, float, bool]:
@@ -727,6 +740,7 @@ def run(spec: RunSpec) -> int:
         if factor != 1.0:
             for group in stack.optimizer.param_groups:
                 group["lr"] *= factor
+        weight_decay = hidden_weight_decay(stack, spec)
         data_step = faults.data_step(step)
         batches = micro_batches(train_set, (data_step - 1) * spec.optim.batch_seqs, spec)
         loss, grad_norm, stop_any = train_step(
@@ -742,6 +756,7 @@ def run(spec: RunSpec) -> int:
             "t_hat": step / total,
             "loss": loss,
             "lr": lr_used,
+            "weight_decay": weight_decay,
             "grad_norm": grad_norm,
             "tokens_per_s": batch_tokens / seconds if seconds > 0 else float("nan"),
             "micro_batch_seqs": spec.parallel.micro_batch_seqs,
