@@ -66,5 +66,8 @@ def test_reference_tau_comes_from_the_reference_runs_in_the_plan(tmp_path: Path)
     pd.DataFrame({"run": ["a", "b", "c"], "tau": [0.2, 0.2, 0.4]}).to_csv(runs, index=False)
     assert reference_tau(tmp_path / "reference.csv", runs) == 0.2
     assert reference_tau(tmp_path / "reference.csv", None) is None
+    # the reference stage records its runs' controls: no runs.csv needed
+    (tmp_path / "reference.json").write_text(json.dumps({"runs": [], "controls": {"tau": 0.3}}))
+    assert reference_tau(tmp_path / "reference.csv") == 0.3
     (tmp_path / "reference.json").unlink()
     assert reference_tau(tmp_path / "reference.csv", runs) is None

@@ -12,6 +12,7 @@ import pytest
 from collapse import analysis as A
 from collapse.monitor import OnlineMonitor
 from collapse.runspec import RunSpec
+from collapse.scaling import lr_at
 from collapse.surrogate import synthetic_family
 
 SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8, "s8": 2.5}
@@ -219,3 +220,31 @@ def test_fresh_monitor_after_resume_needs_replay(family, tmp_path):
     )
     last = _feed(resumed, loss, start=1201)[-1]
     assert last.residual == pytest.approx(straight.residual, abs=1e-12)
+
+
+def test_controls_audit_warns_once_for_a_weight_decay_not_rescaled(family, tmp_path, caplog):
+    """reference.json carries the reference runs' tau (0.2); a run applying 1.23x less decay
+    (tau 0.246) is flagged at its first step with an LR, once, and the log says so."""
+    _, ref_csv = family
+    assert json.loads((ref_csv.parent / "reference.json").read_text())["controls"]["tau"] == 0.2
+    spec = _spec(tmp_path, str(ref_csv))
+    lam = 1 / (spec.optim.lr_peak * 0.2 * STEPS)  # the weight decay tau 0.2 asks for
+    warmup = spec.optim.warmup_steps
+
+    def lr(step: int) -> float:
+        return lr_at(step - 1, peak=spec.optim.lr_peak, warmup_steps=warmup, total_steps=STEPS)
+
+    clean = OnlineMonitor(spec, tmp_path / "clean.jsonl")
+    assert all(clean.audit_controls(s, lr(s), lam) is None for s in range(1, STEPS + 1))
+    assert not (tmp_path / "clean.jsonl").exists()
+
+    log_path = tmp_path / "wrong.jsonl"
+    wrong = OnlineMonitor(spec, log_path)
+    with caplog.at_level(logging.WARNING, logger="collapse.monitor"):
+        warnings = [wrong.audit_controls(s, lr(s), lam / 1.23) for s in range(1, STEPS + 1)]
+    hits = [i for i, w in enumerate(warnings) if w is not None]
+    assert hits == [1]  # step 2: step 1's LR is 0
+    assert "0.813x" in warnings[1] and "weight decay" in warnings[1]
+    (record,) = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert record["status"] == "controls" and record["step"] == 2
+    assert "controls audit" in caplog.text

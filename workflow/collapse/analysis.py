@@ -462,10 +462,23 @@ def _build_reference(
         else None,
         "surrogate": fit.to_dict() if fit is not None else None,
         "surrogate_note": None if fit is not None else "no tau/tpp metadata: surrogate not fitted",
+        "controls": _controls(part.meta),
         "files": {"reference_csv": "reference.csv", "plot": "reference.png"},
     }
     write_json(out_dir / "reference.json", summary)
     return reference, fit, summary
+
+
+def _controls(meta: pd.DataFrame) -> dict:
+    """The reference runs' controls (median over them), for the controls audit of the runs
+    compared with it (collapse.controls); empty without tau/tpp metadata."""
+    out = {}
+    for name in ("tau", "tpp"):
+        if name in meta.columns:
+            values = pd.to_numeric(meta[name], errors="coerce").dropna()
+            if len(values):
+                out[name] = float(values.median())
+    return out
 
 
 def build_reference(

@@ -204,7 +204,7 @@ class DetectorSpec(_Spec):
     # How often the collapse monitor is checked while replaying a curve (fraction of training).
     monitor_every_fraction: Annotated[float, Field(gt=0, le=0.1)] = 0.01
     # The controls audit fires when a step's eta_t * lambda is off the reference runs' by more
-    # than this (relative). The plan realizes tau exactly; 5 % leaves room for hand-set recipes.
+    # than this (relative); collapse.controls says why 5 %.
     controls_tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.05
 
 

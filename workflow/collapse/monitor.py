@@ -9,6 +9,11 @@ line to ``monitor.jsonl`` and warns through ``logging`` when |r| crosses the thr
 ``spec.monitor.threshold`` when set (> 0), else the gate policy calibrated from the reference's
 seed noise (collapse.gates). Stopping is the training loop's decision
 (``MonitorVerdict.stop`` = alarm and ``spec.monitor.stop_on_alarm``).
+
+``audit_controls`` checks every step, from the first, that the run's optimizer applies the AdamW
+rate eta_t * lambda the reference runs' tau implies (collapse.controls): a run with another tau is
+not comparable with the reference, and at small scale its curve does not show it. It warns once,
+with a ``"status": "controls"`` line in the log; it never stops a run.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from collapse.controls import CONTROLS_TOLERANCE, expected_rate
 from collapse.curves import default_window_steps, trailing_mean
 from collapse.gates import GatePolicy, calibrate_threshold
 from collapse.reference import ReferenceCurve, early_align
@@ -71,6 +77,8 @@ class OnlineMonitor:
         summary_path = path.parent / "reference.json"
         summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
         self.offset = float(summary.get("offset", 0.0) or 0.0)
+        self.reference_tau = (summary.get("controls") or {}).get("tau")
+        self.controls_warned = False
         self.reference = ReferenceCurve(
             **{**self.reference.__dict__, "sizes": summary.get("reference_sizes", [])}
         )
@@ -215,6 +223,39 @@ class OnlineMonitor:
             log.warning("collapse monitor alarm: %s", message)
         self._write(verdict)
         return verdict
+
+    def audit_controls(
+        self, step: int, lr: float, weight_decay: float, tolerance: float = CONTROLS_TOLERANCE
+    ) -> str | None:
+        """The warning, once per run, when this step's applied eta * lambda is off the rate the
+        reference runs' tau implies by more than ``tolerance``; None otherwise (or no tau)."""
+        if self.controls_warned or self.reference_tau is None:
+            return None
+        optim = self.spec.optim
+        expected = float(
+            expected_rate(np.array([step]), optim.warmup_steps, optim.steps, self.reference_tau)[0]
+        )
+        applied = lr * weight_decay
+        if not (expected > 0 and math.isfinite(applied)):
+            return None
+        ratio = applied / expected
+        if abs(ratio - 1.0) <= tolerance:
+            return None
+        self.controls_warned = True
+        message = (
+            f"{self.spec.run}: at step {step} the optimizer applies eta*lambda {applied:.4g}, "
+            f"{ratio:.3g}x the {expected:.4g} that the reference runs' tau "
+            f"{self.reference_tau:.4g} implies (tolerance {tolerance:g}): this run's timescale "
+            "is not the reference's, so its gate compares unlike runs; check its weight decay "
+            "(lambda = B / (eta * tau * D)) and LR schedule"
+        )
+        log.warning("controls audit: %s", message)
+        record = {"status": "controls", "step": int(step), "t_hat": step / optim.steps}
+        record |= {"ratio": ratio, "reference_tau": self.reference_tau, "message": message}
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        return message
 
     def residuals(self) -> tuple[np.ndarray, np.ndarray]:
         """r(t_hat) at every step seen so far (NaN before the run is aligned), for figures."""
