@@ -100,8 +100,9 @@ def test_gates_enforce_reaches_the_gate_policy():
 
 def test_contrast_family_holds_lambda_not_tau():
     """tiny_fixed_wd is tiny with one weight decay for every size: tau drifts with size."""
-    tiny = plan_family(load_config([])).table
-    fixed = plan_family(load_config(["family=tiny_fixed_wd"])).table
+    # one corpus size for both (else each estimates it from its own data folder, if built)
+    tiny = plan_family(load_config([]), corpus_tokens=5_000_000).table
+    fixed = plan_family(load_config(["family=tiny_fixed_wd"]), corpus_tokens=5_000_000).table
     tiny, fixed = (t[t.role == "family"].set_index("run") for t in (tiny, fixed))
     assert list(fixed.index) == list(tiny.index)
     assert fixed.weight_decay.nunique() == 1 and tiny.tau.round(6).nunique() == 1
@@ -112,6 +113,25 @@ def test_contrast_family_holds_lambda_not_tau():
         .all()
         .all()
     )
+
+
+def test_the_familys_contrast_is_its_runs_with_the_smallest_sizes_lambda():
+    """tiny's contrast (family.contrast) plans the tiny_fixed_wd family's runs inside tiny:
+    the same specs but the name, the role and what lambda sets (tau drifts with size)."""
+    plan = plan_family(load_config([]), corpus_tokens=5_000_000)
+    fixed = plan_family(load_config(["family=tiny_fixed_wd"]), corpus_tokens=5_000_000)
+    assert fixed.run_names("contrast") == []  # the contrast family has no contrast of its own
+    contrast = plan.run_names("contrast")
+    assert contrast == [f"contrast-{r}" for r in fixed.run_names("family")]
+    for run in contrast:
+        mine, twin = plan.spec(run), fixed.spec(run.removeprefix("contrast-"))
+        assert mine.optim == twin.optim and mine.model == twin.model and mine.mup == twin.mup
+        assert mine.role == "contrast" and not mine.monitor.enabled
+        assert mine.variant == {"weight_decay": plan.spec("d48-tpp5-s0").optim.weight_decay}
+    taus = plan.table[plan.table.role == "contrast"].groupby("size", sort=False).tau.first()
+    assert taus.is_monotonic_increasing and taus.iloc[0] == pytest.approx(0.2)
+    assert taus.iloc[-1] > 0.24
+    assert "9 contrast" in plan_report_markdown(plan)
 
 
 def test_hydra_overrides_reach_the_spec():
@@ -252,6 +272,14 @@ MALFORMED = {
     "unknown fault kind": (
         _set(["family", "faults"], {"injections": [{"name": "a", "kind": "bitflip"}]}),
         ["faults.injections[0](a).kind", "loss_kernel", "bitflip"],
+    ),
+    "contrast of a family that fixes lambda": (
+        _set(["family", "weight_decay"], 1.5),
+        ["contrast: this family already holds the weight decay fixed", "contrast: null"],
+    ),
+    "contrast band not in family": (
+        _set(["family", "contrast"], {"tpp": 7}),
+        ["contrast.tpp: 7.0 is not one of the bands [5.0]"],
     ),
     "slurm cluster without partition": (
         _set(["cluster", "executor"], "slurm"),

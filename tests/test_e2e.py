@@ -128,6 +128,31 @@ def test_compare_reads_the_familys_results(smoke, tmp_path):
     assert (tmp_path / "comparison.png").stat().st_size > 1000
 
 
+def test_contrast_is_measured_like_the_family(smoke):
+    """family.contrast: the same runs with the smallest size's lambda, so tau rises with size;
+    its collapse statistics and gates are the family's, and the report sets them side by side."""
+    runs = pd.read_csv(smoke / "plan" / "runs.csv")
+    family, contrast = runs[runs.role == "family"], runs[runs.role == "contrast"]
+    assert len(contrast) == len(family) and contrast.weight_decay.nunique() == 1
+    taus = contrast.groupby("size", sort=False).tau.first()
+    assert list(taus.index) == ["d32", "d48", "d64", "d96"] and taus.is_monotonic_increasing
+    assert taus.iloc[-1] > 1.2 * taus.iloc[0]
+    # the smallest size keeps its own lambda: its contrast runs are its family runs again
+    own = pd.read_parquet(smoke / "runs" / "d32-tpp4-s0" / "curve.parquet").loss
+    twin = pd.read_parquet(smoke / "runs" / "contrast-d32-tpp4-s0" / "curve.parquet").loss
+    assert twin.to_numpy() == pytest.approx(own.to_numpy(), abs=1e-4)
+    stats = json.loads((smoke / "contrast" / "collapse" / "tpp4" / "collapse.json").read_text())
+    assert {"t_hat", "delta", "sigma", "supercollapse", "delta_over_sigma"} <= set(stats)
+    for run in contrast.run:
+        verdict = json.loads((smoke / "contrast" / "gates" / f"{run}.json").read_text())
+        assert verdict["run"] == run and isinstance(verdict["passed"], bool)
+    table = pd.read_csv(smoke / "report" / "contrast.csv")
+    assert table.family.tolist() == ["smoke", "smoke (contrast)"]
+    assert (table.gates == len(family)).all() and table.delta_over_sigma_late.notna().all()
+    assert "## Contrast: tau not held fixed" in (smoke / "report" / "index.md").read_text()
+    assert (smoke / "report" / "contrast.png").stat().st_size > 1000
+
+
 def test_evaluation_results(smoke):
     runs = pd.read_csv(smoke / "plan" / "runs.csv")
     for run in runs[runs.role == "family"].run:

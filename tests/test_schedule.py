@@ -31,11 +31,13 @@ def test_reference_first_then_the_largest_run(tmp_path):
     reference = {f"{size}-tpp5-s{seed}" for size in ("d48", "d64") for seed in range(3)}
     reference_runs = {r: p for r, p in train.items() if r in reference}
     others = {r: p for r, p in train.items() if r not in reference}
-    assert len(reference_runs) == 6 and len(others) == 9, sorted(train)
+    contrast = {r for r in others if r.startswith("contrast-")}
+    assert len(reference_runs) == 6 and len(others) == 18 and len(contrast) == 9, sorted(train)
     reference_rule = jobs[("reference", "band=5")]
     assert min(reference_runs.values()) > max(others.values())
     assert reference_rule > max(others.values())
-    assert max(others, key=others.get) == "d192-tpp5-s0"
+    # d192 and its contrast twin (the same FLOPs) first: two cores train both at once
+    assert others["d192-tpp5-s0"] == others["contrast-d192-tpp5-s0"] == max(others.values())
     assert (
         others["d128-tpp5-s0"]
         > others["sweep-tau-d96-tau0.2-s0"]

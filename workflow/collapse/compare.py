@@ -31,18 +31,21 @@ def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def family_row(root: Path, change: str = "") -> list[dict]:
-    """One row per TPP band of the family under ``root`` (results/<family>)."""
+def family_row(root: Path, change: str = "", role: str = "family") -> list[dict]:
+    """One row per TPP band of the family under ``root`` (results/<family>); with role
+    "contrast", of its contrast runs (analysis under ``contrast/``, family.contrast)."""
     layout = FamilyLayout(Path(root))
     runs = pd.read_csv(layout.plan_dir / "runs.csv")
-    family = runs[runs.role == "family"]
+    family = runs[runs.role == role]
+    analysis = layout.contrast_dir if role == "contrast" else layout.root
+    label = layout.root.name + (" (contrast)" if role == "contrast" else "")
     rows = []
     for band in sorted(family.tpp_band.unique()):
-        stats = _json(layout.root / "collapse" / f"tpp{band:g}" / "collapse.json")
+        stats = _json(analysis / "collapse" / f"tpp{band:g}" / "collapse.json")
         if stats is None:
             continue
         mine = family[family.tpp_band == band]
-        gates = {r: _json(layout.gate(r)) for r in mine.run}
+        gates = {r: _json(analysis / "gates" / f"{r}.json") for r in mine.run}
         gates = {r: g for r, g in gates.items() if g is not None}
         worst = max(gates.items(), key=lambda kv: kv[1].get("max_abs_residual") or 0, default=None)
         sizes = C.ordered_sizes(mine.set_index("run"))
@@ -50,7 +53,7 @@ def family_row(root: Path, change: str = "") -> list[dict]:
         finals = _final_losses(layout, mine, sizes)
         rows.append(
             {
-                "family": layout.root.name,
+                "family": label,
                 "band": band,
                 "change": change,
                 "delta_over_sigma_late": stats.get("delta_over_sigma"),
@@ -112,14 +115,26 @@ def compare(roots: list[Path], changes: list[str], out: Path) -> pd.DataFrame:
     out.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
     plot_comparison(table, out / "comparison.png")
-    table = table.drop(columns=["_stats"])[list(COMPARISON_COLUMNS)]
+    table = comparison_table(table)
     table.to_csv(out / "comparison.csv", index=False, float_format="%.6g")
     (out / "comparison.md").write_text(table.to_markdown(index=False, floatfmt=".4g") + "\n")
     return table
 
 
+def comparison_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of family_row, without the plot's data, in COMPARISON_COLUMNS order."""
+    return rows.drop(columns=["_stats"])[list(COMPARISON_COLUMNS)]
+
+
 def plot_comparison(table: pd.DataFrame, path: Path) -> Path:
-    from collapse.analysis import _pyplot, _save
+    from collapse.analysis import _save
+
+    return _save(comparison_figure(table), path)
+
+
+def comparison_figure(table: pd.DataFrame):
+    """Delta (solid) against the seed noise sigma (dotted) of each row's family and band."""
+    from collapse.analysis import _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
@@ -138,7 +153,8 @@ def plot_comparison(table: pd.DataFrame, path: Path) -> Path:
     ax.set_ylabel("Δ (solid) and seed noise σ (dotted)")
     ax.set_title("Collapse deviation of each family against its seed noise")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    fig.tight_layout()
+    return fig
 
 
 def add_cli(subparsers: argparse._SubParsersAction) -> None:

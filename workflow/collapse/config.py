@@ -222,6 +222,15 @@ class FaultExperimentSpec(_Spec):
     detectors: DetectorSpec = Field(default_factory=DetectorSpec)
 
 
+class ContrastSpec(_Spec):
+    """The contrast of the method (PAPER.md section 2): the family's runs of one band again,
+    identical except that tau is not held fixed. Every size keeps the weight decay of the
+    smallest size, as Llama-style recipes hold lambda constant, so tau drifts with size. Its
+    collapse is measured by the same statistics and gates, next to the family's."""
+
+    tpp: PositiveFloat | None = None  # default: the family's first band
+
+
 class TrainingSpec(_Spec):
     """Knobs of the training job that are not scaling rules."""
 
@@ -279,6 +288,7 @@ class FamilySpec(_Spec):
     gates: GateSpec = Field(default_factory=GateSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     faults: FaultExperimentSpec | None = None  # the fault-detection experiment; off by default
+    contrast: ContrastSpec | None = None  # the same runs with lambda fixed; off by default
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> FamilySpec:
@@ -342,6 +352,17 @@ class FamilySpec(_Spec):
                     f"faults.size: {target!r} builds the reference; inject faults into a size "
                     "the reference does not use"
                 )
+        if self.contrast is not None:
+            if self.weight_decay is not None:
+                problems.append(
+                    "contrast: this family already holds the weight decay fixed (weight_decay: "
+                    f"{self.weight_decay:g}), so its contrast would be itself; set "
+                    "contrast: null or drop weight_decay"
+                )
+            if self.contrast.tpp is not None and self.contrast.tpp not in self.tpp:
+                problems.append(
+                    f"contrast.tpp: {self.contrast.tpp} is not one of the bands {self.tpp}"
+                )
         if len({s.name for s in self.sweeps}) != len(self.sweeps):
             problems.append("sweeps: two sweeps share a name; names must be unique")
         if problems:
@@ -356,6 +377,14 @@ class FamilySpec(_Spec):
         if self.faults is not None and self.faults.size is not None:
             return self.size(self.faults.size)
         return max(self.sizes, key=lambda s: s.n_layers * s.d_model**2)
+
+    def contrast_band(self) -> float | None:
+        if self.contrast is None:
+            return None
+        return self.contrast.tpp if self.contrast.tpp is not None else self.tpp[0]
+
+    def smallest_size(self) -> SizeSpec:
+        return min(self.sizes, key=lambda s: s.n_layers * s.d_model**2)
 
     def tau_for(self, tpp: float) -> float | TauPowerLaw:
         if isinstance(self.tau, TauPowerLaw):

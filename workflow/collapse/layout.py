@@ -90,6 +90,12 @@ class FamilyLayout:
         return self.root / "gates" / f"{run}.json"
 
     @property
+    def contrast_dir(self) -> Path:
+        """The contrast's analysis (reference/, collapse/, gates/ as the family's); its runs
+        train under runs/ like every other run."""
+        return self.root / "contrast"
+
+    @property
     def faults_dir(self) -> Path:
         return self.root / "faults"
 

@@ -246,14 +246,18 @@ def plan_run(
     runtime_min = max(
         cluster.min_runtime_min, math.ceil(wall_hours_run * 60 * cluster.runtime_margin)
     )
-    is_reference = size.name in family.reference.sizes and sweep is None and role != "fault"
-    monitored = family.gates.monitor and not is_reference and sweep is None
+    is_reference = (
+        size.name in family.reference.sizes and sweep is None and role not in ("fault", "contrast")
+    )
+    monitored = family.gates.monitor and not is_reference and sweep is None and role != "contrast"
     if role == "family":
         name = run_name(size.name, tpp, seed)
     elif role == "sweep":
         name = sweep_run_name(sweep, size.name, variant)
     elif role == "fault":
         name = fault_run_name(fault.name, size.name, seed)
+    elif role == "contrast":
+        name = f"contrast-{run_name(size.name, tpp, seed)}"
     else:
         name = sweep_reference_name(sweep, size.name, tau)
     every = lambda fraction: max(1, round(steps * fraction))  # noqa: E731
@@ -415,6 +419,8 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
                 )
         for spec, facts in plan_fault_experiment(cfg, corpus_tokens):
             add(spec, facts)
+        for spec, facts in plan_contrast(cfg, corpus_tokens):
+            add(spec, facts)
     except parallel.LayoutError as err:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
     _check_ranges(runs)
@@ -442,7 +448,7 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
                     cfg, size, tpp, seed, corpus_tokens=corpus_tokens, role="fault", fault=clean
                 )
             )
-    smallest = min(family.sizes, key=lambda s: s.n_layers * s.d_model**2)
+    smallest = family.smallest_size()
     for injection in spec.injections:
         at = injection.at_fraction if injection.at_fraction is not None else spec.at_fraction
         fault = FaultInjection(
@@ -467,6 +473,33 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
                 variant=variant,
             )  # fmt: skip
         )
+    return out
+
+
+def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
+    """The contrast (family.contrast): every family run of its band again, with the smallest
+    size's weight decay, so tau is not held fixed (the smallest size's runs are its own twins)."""
+    family = cfg.family
+    band = family.contrast_band()
+    if band is None:
+        return []
+    small, _ = plan_run(cfg, family.smallest_size(), band, 0, corpus_tokens=corpus_tokens)
+    variant = {"weight_decay": small.optim.weight_decay}
+    out = []
+    for size in family.sizes:
+        seeds = family.reference.seeds if size.name in family.reference.sizes else family.seeds
+        for seed in seeds:
+            out.append(
+                plan_run(
+                    cfg,
+                    size,
+                    band,
+                    seed,
+                    corpus_tokens=corpus_tokens,
+                    role="contrast",
+                    variant=variant,
+                )  # fmt: skip
+            )
     return out
 
 
@@ -571,7 +604,7 @@ def plan_report_markdown(plan: Plan) -> str:
         "",
         f"- runs: {len(t)} ({(t.role == 'family').sum()} family, "
         f"{t.role.isin(['sweep', 'sweep_reference']).sum()} sweep, "
-        f"{(t.role == 'fault').sum()} fault experiment)",
+        f"{(t.role == 'fault').sum()} fault experiment, {(t.role == 'contrast').sum()} contrast)",
         f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; "
         f"6ND: {_si(t.flops_6nd.sum())}",
         f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",

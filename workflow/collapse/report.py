@@ -55,13 +55,15 @@ FIGURES = {
     "training it ran, per prediction method; horizontal lines: true final losses.",
     "sweep_metrics": "Prediction error against training fraction and selection regret against "
     "compute, per method.",
+    "contrast": "Delta (solid) and seed noise sigma (dotted) of the family, which holds tau "
+    "fixed, and of its contrast, whose sizes share one weight decay so that tau drifts.",
     "fault_detection": "Injected faults in one size: raw loss (top) and residual against the "
     "reference (bottom), with the fault start and each detector's first alarm.",
     "downstream_vs_flops": "Average downstream accuracy (7 tasks) against training FLOPs: this "
     "family, Celerity and published open models, with the Pareto frontier.",
 }
-# Written only for a family with the fault experiment (``faults=standard``).
-OPTIONAL = {"fault_detection", "detections"}
+# Written only for a family with the fault experiment (``faults=standard``) or a contrast.
+OPTIONAL = {"fault_detection", "detections", "contrast"}
 TABLES = {
     "family_table": "Every run of the family: size, parameters, tokens, FLOPs, losses, downstream "
     "average and gate.",
@@ -71,6 +73,8 @@ TABLES = {
     "sweep_metrics": "Early-stopping metrics per sweep, method and training fraction.",
     "sweep_predictions": "Predicted final loss per sweep variant, fraction and method.",
     "detections": "First alarm of each detector on every fault run and clean seed.",
+    "contrast": "The family against its contrast: Delta/sigma late, gates, final losses and the "
+    "normalized loss at t_hat 0.5 of the smallest and the largest size.",
     "downstream": "Downstream accuracy (%) and training FLOPs of every model in the accuracy "
     "figure; on_frontier marks the Pareto frontier.",
 }
@@ -937,6 +941,9 @@ def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> lis
     else:
         rep.missing.append("gates: no gates/<run>.json yet (gate rule)")
 
+    # the contrast: the same runs with lambda fixed (when the family has one)
+    _contrast_section(layout, rep)
+
     # (d) sweeps
     predictions, metrics = load_sweeps(layout)
     if len(predictions):
@@ -989,6 +996,40 @@ def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> lis
     index = out / "index.md"
     index.write_text(_index(family_name, layout, rep))
     return [*rep.files, index]
+
+
+def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
+    """Family against its contrast (family.contrast), measured by the same statistics and
+    gates: the method holds tau fixed; the contrast holds lambda fixed and lets tau drift."""
+    from collapse.compare import comparison_figure, comparison_table, family_row
+
+    if not (layout.contrast_dir / "collapse").is_dir():
+        return
+    contrast = family_row(layout.root, "lambda held fixed: tau drifts with size", "contrast")
+    if not contrast:
+        rep.missing.append("contrast: no contrast/collapse/tpp<band>/collapse.json yet")
+        return
+    bands = {row["band"] for row in contrast}
+    family = [
+        r for r in family_row(layout.root, "tau held fixed (the method)") if r["band"] in bands
+    ]
+    rows = pd.DataFrame(family + contrast)
+    figs = rep.figure(comparison_figure(rows), "contrast")
+    table = comparison_table(rows)
+    shown = table.copy()
+    digits = {"delta_over_sigma_late": 2, "worst_abs_residual": 4, "threshold": 4}
+    digits |= dict.fromkeys(["final_loss_smallest", "final_loss_largest"], 3)
+    digits |= dict.fromkeys(["ell_half_smallest", "ell_half_largest"], 3)
+    for col, n in digits.items():
+        shown[col] = shown[col].map(_fixed(n))
+    md = rep.table(table, "contrast", shown)
+    runs = pd.read_csv(layout.plan_dir / "runs.csv")
+    taus = runs[runs.role == "contrast"].groupby("size", sort=False)["tau"].first()
+    drift = ", ".join(f"{size} {tau:.3f}" for size, tau in taus.items())
+    rep.sections.append(
+        _section("Contrast: tau not held fixed", [("contrast", figs)], [("contrast", md)])
+        + f"\nThe contrast's tau by size: {drift}.\n"
+    )
 
 
 def _gates_markdown(table: pd.DataFrame) -> pd.DataFrame:

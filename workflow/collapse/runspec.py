@@ -145,7 +145,7 @@ class RunSpec(_Strict):
     size: str
     tpp_band: float  # the requested TPP
     tpp: float  # realized TPP = tokens / params
-    role: Literal["family", "sweep", "sweep_reference", "fault"] = "family"
+    role: Literal["family", "sweep", "sweep_reference", "fault", "contrast"] = "family"
     sweep: str = ""
     variant: dict[str, float] = Field(default_factory=dict)
     params: int  # N, all parameters, embeddings included

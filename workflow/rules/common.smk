@@ -46,6 +46,10 @@ FAMILY_RUNS = PLAN.run_names("family")
 SWEEP_RUNS = PLAN.run_names("sweep")
 SWEEPS = [s.name for s in FAMILY.sweeps]
 FAULTS_ON = FAMILY.faults is not None
+CONTRAST_ON = FAMILY.contrast is not None
+CONTRAST_BAND = f"{FAMILY.contrast_band():g}" if CONTRAST_ON else ""
+CONTRAST_ROOT = str(LAYOUT.contrast_dir)
+CONTRAST_RUNS = PLAN.run_names("contrast")
 PLAN_OUT = str(LAYOUT.plan_dir)
 # The plan reruns when the resolved config or a spec changes (not when an estimate does).
 PLAN_SHA = hashlib.sha256(
@@ -74,6 +78,15 @@ def runs_in_band(band, *, reference_only=False):
     ]
     if reference_only:
         rows = rows[rows.is_reference]
+    return list(rows.run)
+
+
+def contrast_runs(*, reference_only=False):
+    """The contrast's runs (one band); of the reference sizes only, if asked."""
+    t = PLAN.table
+    rows = t[t.role == "contrast"]
+    if reference_only:
+        rows = rows[rows["size"].isin(FAMILY.reference.sizes)]
     return list(rows.run)
 
 

@@ -4,6 +4,8 @@ if SWEEPS:
     FIGURES += ["sweep_predictions", "sweep_metrics"]
 if FAULTS_ON:
     FIGURES += ["fault_detection"]
+if CONTRAST_ON:
+    FIGURES += ["contrast"]
 
 
 rule report:
@@ -15,6 +17,12 @@ rule report:
         evals=expand(f"{ROOT}/evals/{{run}}.json", run=FAMILY_RUNS),
         sweeps=expand(f"{ROOT}/sweeps/{{sweep}}/metrics.csv", sweep=SWEEPS),
         faults=rules.detect.output.detections if FAULTS_ON else [],
+        contrast=(
+            [f"{CONTRAST_ROOT}/collapse/tpp{CONTRAST_BAND}/collapse.json"]
+            + expand(f"{CONTRAST_ROOT}/gates/{{run}}.json", run=CONTRAST_RUNS)
+            if CONTRAST_ON
+            else []
+        ),
     output:
         index=f"{REPORT}/index.md",
         figures=[
