@@ -86,8 +86,10 @@ def test_fault_detection_experiment(smoke):
     known = {"detected", "missed", "false alarm", "quiet", "false alarm (before the fault)"}
     known |= {"in reference"}  # clean seeds 1, 2 build the own-size reference
     assert set(detections.outcome) <= known
-    nan = detections[detections.fault == "nan-loss"]
-    assert (nan.outcome == "detected").all()  # every detector sees a NaN, at the NaN step
+    # every detector of the loss sees a NaN, at the NaN step (the controls audit reads the
+    # optimizer's LR and weight decay, which a NaN loss leaves alone)
+    nan = detections[(detections.fault == "nan-loss") & (detections.detector != "controls")]
+    assert (nan.outcome == "detected").all()
     assert nan.alarm_t_hat.nunique() == 1 and nan.alarm_t_hat.iloc[0] == pytest.approx(
         0.55, abs=0.02
     )
