@@ -763,10 +763,8 @@ def run(spec: RunSpec) -> int:
             "data_fraction": data_step * batch_tokens / dataset_tokens,
             "restart": step == first_step and bool(state.restarts),
         }
-        if monitor is not None:
-            warning = monitor.audit_controls(step, lr_used, weight_decay)
-            if warning is not None:
-                log(f"controls audit: {warning}")
+        if monitor is not None:  # warns (through logging, into the job's log) once if off
+            monitor.audit_controls(step, lr_used, weight_decay)
         if not math.isfinite(loss) and spec.role == "fault":
             # a fault-injection run: the stop is the measured outcome, so the curve up to and
             # including the non-finite step is the run's output (meta.json says why it ended)
