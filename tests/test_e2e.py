@@ -30,8 +30,9 @@ def smoke(tmp_path_factory) -> Path:
 
 def test_plan_lists_every_run(smoke):
     runs = pd.read_csv(smoke / "plan" / "runs.csv")
-    assert len(runs) == 10 + 7  # family + sweep, then 5 faults and 2 more clean seeds of d96
-    assert set(runs.role) == {"family", "sweep", "sweep_reference", "fault"}
+    # family + sweep, 5 faults and 2 more clean seeds of d96, the 6 family runs' contrast
+    assert len(runs) == 10 + 7 + 6
+    assert set(runs.role) == {"family", "sweep", "sweep_reference", "fault", "contrast"}
     assert set(runs[runs.role == "fault"]["size"]) == {"d96"}
     assert (runs.tokens == runs.steps * runs.batch_seqs * runs.seq_len).all()
 

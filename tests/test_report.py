@@ -70,6 +70,7 @@ def write_curve(layout: FamilyLayout, row: pd.Series, rng: np.random.Generator) 
             "t_hat": t_hat,
             "loss": loss,
             "lr": row["lr_peak"] * np.minimum(1.0, 1.0 - t_hat + 1e-9),
+            "weight_decay": row["weight_decay"],
             "grad_norm": 1.0,
             "tokens_per_s": 1e4,
             "micro_batch_seqs": int(row["micro_batch_seqs"]),
