@@ -175,7 +175,7 @@ def test_scancel_of_a_running_job_then_rerun_resumes_from_its_checkpoint(cluster
             120,
             "the counter to pass step 4",
         )
-        (job,) = jobs_of_rule("count")
+        (job,) = jobs_of_rule("count", states="RUNNING")
         assert run("scancel", job).returncode == 0
         wait_until(lambda: squeue_state(job) in ("CANCELLED", ""), 60, f"job {job} to end")
         log, _ = first.communicate(timeout=120)

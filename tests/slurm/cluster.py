@@ -83,10 +83,12 @@ def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.5):
     raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
 
 
-def jobs_of_rule(rule: str) -> list[str]:
-    """Ids of the jobs the Snakemake plugin submitted for ``rule`` (it comments them so)."""
+def jobs_of_rule(rule: str, states: str = "all") -> list[str]:
+    """Ids of the jobs the Snakemake plugin submitted for ``rule`` (it comments them so), in
+    ``states`` (squeue's --states). slurmctld recovers finished jobs from its state directory
+    when it restarts, so an earlier test session's jobs can still be listed under "all"."""
     out = subprocess.run(
-        ["squeue", "-h", "--states=all", "-o", "%i %k"], capture_output=True, text=True
+        ["squeue", "-h", f"--states={states}", "-o", "%i %k"], capture_output=True, text=True
     )
     ids = []
     for line in out.stdout.splitlines():
