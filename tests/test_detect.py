@@ -11,7 +11,7 @@ from test_train_support import tiny_spec
 
 from collapse import analysis as A
 from collapse.config import DetectorSpec
-from collapse.detect import outcome, rise_alarm, run_experiment, spike_alarm
+from collapse.detect import collapse_alarm, outcome, rise_alarm, run_experiment, spike_alarm
 from collapse.gates import GatePolicy
 from collapse.reference import reference_curve
 from collapse.runspec import FaultInjection
@@ -53,9 +53,9 @@ def test_outcomes():
     assert outcome(0.4, 0.55) == "false alarm (before the fault)"
 
 
-def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: Path):
-    """A run that slowly falls behind from t_hat 0.55 (the paper's failure) is caught by the
-    collapse monitor and by neither raw-loss detector; the clean seeds raise no alarm."""
+def _slow_fault_runs(tmp_path: Path) -> tuple[list, Path]:
+    """Three seeds of one size against a reference of two smaller ones; seed 0 slowly falls
+    behind from t_hat 0.55 (5 % by the end, no jump, no rise). Specs and their runs.csv."""
     sizes = {"s1": 3.4, "s2": 3.1, "s4": 2.8}
     family = synthetic_family(sizes, seeds=3, steps=1000, rng_seed=3)
     matrix = A.load_matrix(family[family["size"].isin(["s1", "s2"])])
@@ -89,12 +89,19 @@ def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: P
         curve.to_parquet(Path(spec.run_dir) / "curve.parquet")
         specs.append(spec)
 
-    out = tmp_path / "faults"
     runs_csv = tmp_path / "runs.csv"
     pd.DataFrame(
         {"run": [s.run for s in specs], "size": "s4", "params": 4e6, "seed": [0, 1, 2],
          "tpp": 20.0, "tau": 0.2, "steps": 1000}
     ).to_csv(runs_csv, index=False)  # fmt: skip
+    return specs, runs_csv
+
+
+def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: Path):
+    """A run that slowly falls behind from t_hat 0.55 (the paper's failure) is caught by the
+    collapse monitor and by neither raw-loss detector; the clean seeds raise no alarm."""
+    specs, runs_csv = _slow_fault_runs(tmp_path)
+    out = tmp_path / "faults"
     detections = run_experiment(specs, GatePolicy(), DetectorSpec(), out, runs_csv)
     got = detections.set_index(["fault", "detector"])
     assert got.loc[("slow", "collapse"), "outcome"] == "detected"
@@ -121,3 +128,21 @@ def test_experiment_catches_a_slow_fault_the_raw_loss_detectors_miss(tmp_path: P
     lo, hi = quiet["peak_residual"].min(), quiet["peak_residual"].max()
     assert f"threshold {slow['threshold']:.3f}; clean runs' peak |r| {lo:.3f}-{hi:.3f}" in summary
     assert f"peak {slow['peak_residual']:.3f})" in summary
+
+
+def test_the_monitor_alarms_at_the_first_step_past_the_threshold_when_checked_every_step(
+    tmp_path: Path,
+):
+    """Checked every step (the default, as the raw-loss rules are), the replayed monitor alarms
+    where its residual first crosses the threshold; checked every 10 rows, at the next check."""
+    specs, _ = _slow_fault_runs(tmp_path)
+    faulty = specs[0]
+    curve = pd.read_parquet(Path(faulty.run_dir) / "curve.parquet")
+    assert DetectorSpec().monitor_every_steps == 1
+    every_step, monitor = collapse_alarm(faulty, curve, GatePolicy(), 1, tmp_path / "a.jsonl")
+    t, r = monitor.residuals()
+    inside = (t >= GatePolicy().window[0]) & np.isfinite(r)
+    crossing = int(np.flatnonzero(inside & (np.abs(r) > monitor.threshold))[0])
+    assert every_step.index == crossing and t[crossing] > 0.55
+    coarse, _ = collapse_alarm(faulty, curve, GatePolicy(), 10, tmp_path / "b.jsonl")
+    assert crossing < coarse.index < crossing + 10 and (coarse.index + 1) % 10 == 0

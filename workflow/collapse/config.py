@@ -201,8 +201,10 @@ class DetectorSpec(_Spec):
     # running minimum by more than rise_margin (relative).
     rise_window_steps: PositiveInt = 100
     rise_margin: PositiveFloat = 0.01
-    # How often the collapse monitor is checked while replaying a curve (fraction of training).
-    monitor_every_fraction: Annotated[float, Field(gt=0, le=0.1)] = 0.01
+    # How often the collapse monitor is checked while replaying a curve, in logged steps. The
+    # raw-loss rules look at every step; so does the monitor by default (a check is a trailing
+    # mean over the new steps: cheap), so that its alarm is not late by its cadence alone.
+    monitor_every_steps: PositiveInt = 1
     # The controls audit fires when a step's eta_t * lambda is off the reference runs' by more
     # than this (relative); collapse.controls says why 5 %.
     controls_tolerance: Annotated[float, Field(gt=0, lt=1)] = 0.05

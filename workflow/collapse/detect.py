@@ -6,8 +6,9 @@ run of the experiment (``family.faults``) and the clean seeds of the same size a
 through three detectors, each with its policy fixed before looking at the runs:
 
 - ``collapse``: the online collapse monitor (collapse.monitor) with the gate policy of the
-  family, checked every ``detectors.monitor_every_fraction`` of training, against the family's
-  reference (its reference sizes: the paper's method);
+  family, checked every ``detectors.monitor_every_steps`` logged steps (default: every step, as
+  the raw-loss rules are), against the family's reference (its reference sizes: the paper's
+  method);
 - ``collapse_own_size``: the same monitor against a reference built from the clean seeds of the
   faulted size other than the faults' own seed (a previous clean run of the same recipe, which
   needs no collapse across sizes; those seeds are marked "in reference", not counted);
@@ -99,18 +100,19 @@ def rise_alarm(loss: np.ndarray, steps: np.ndarray, window: int, margin: float) 
 
 
 def collapse_alarm(
-    spec: RunSpec, curve: pd.DataFrame, policy: GatePolicy, every_fraction: float, log: Path
+    spec: RunSpec, curve: pd.DataFrame, policy: GatePolicy, every_steps: int, log: Path
 ) -> tuple[Alarm, OnlineMonitor]:
-    """Replay the curve through the online monitor, checking every ``every_fraction``."""
+    """Replay the curve through the online monitor, checking every ``every_steps`` rows until
+    its first alarm and once more at the end (the log's last line covers the rest of the run;
+    the residuals for the figure and the peak do not depend on the checks)."""
     log.unlink(missing_ok=True)
     monitor = OnlineMonitor(spec, log, policy)
-    every = max(1, round(every_fraction * spec.optim.steps))
     steps = curve["step"].to_numpy()
     found = Alarm(None)
     for i, (step, t_hat, loss) in enumerate(curve[["step", "t_hat", "loss"]].itertuples(False)):
         monitor.observe(int(step), float(t_hat), float(loss))
-        last = i == len(steps) - 1
-        if step % every == 0 or last or not math.isfinite(loss):
+        due = (i + 1) % every_steps == 0 or not math.isfinite(loss)
+        if (due and found.index is None) or i == len(steps) - 1:
             verdict = monitor.check()
             if verdict.alarm and found.index is None:
                 found = Alarm(i, verdict.message)
@@ -174,7 +176,7 @@ def detect_run(
     log.parent.mkdir(parents=True, exist_ok=True)
     found = {}
     found["collapse"], monitor = collapse_alarm(
-        spec, curve, policy, detectors.monitor_every_fraction, log
+        spec, curve, policy, detectors.monitor_every_steps, log
     )
     if own_reference is not None:
         own = spec.model_copy(
@@ -184,7 +186,7 @@ def detect_run(
         )
         own_log = out_dir / "monitor" / f"{spec.run}.own_size.jsonl"
         found["collapse_own_size"], _ = collapse_alarm(
-            own, curve, policy, detectors.monitor_every_fraction, own_log
+            own, curve, policy, detectors.monitor_every_steps, own_log
         )
     found["spike"] = spike_alarm(loss, detectors.spike_window_steps, detectors.spike_k_sigma)
     found["rise"] = rise_alarm(loss, steps, detectors.rise_window_steps, detectors.rise_margin)
