@@ -3,7 +3,7 @@
 PAPER.md section 4 claims that a run's residual against the family's reference shows a fault
 long before the raw loss does. This stage measures that on the family's own runs: every fault
 run of the experiment (``family.faults``) and the clean seeds of the same size are replayed
-through three detectors, each with its policy fixed before looking at the runs:
+through five detectors, each with its policy fixed before looking at the runs:
 
 - ``collapse``: the online collapse monitor (collapse.monitor) with the gate policy of the
   family, checked every ``detectors.monitor_every_steps`` logged steps (default: every step, as
