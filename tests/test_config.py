@@ -11,7 +11,7 @@ from collapse.config import (
     load_config,
     validate_config,
 )
-from collapse.plan import plan_family, plan_report_markdown
+from collapse.plan import contrast_members, plan_family, plan_report_markdown
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +117,26 @@ def test_contrast_family_holds_lambda_not_tau():
 
 def test_the_familys_contrast_is_its_runs_with_the_smallest_sizes_lambda():
     """tiny's contrast (family.contrast) plans the tiny_fixed_wd family's runs inside tiny:
-    the same specs but the name, the role and what lambda sets (tau drifts with size)."""
+    the same specs but the name, the role and what lambda sets (tau drifts with size). The
+    smallest size has that lambda already: the contrast shares its family runs, no twins."""
     plan = plan_family(load_config([]), corpus_tokens=5_000_000)
     fixed = plan_family(load_config(["family=tiny_fixed_wd"]), corpus_tokens=5_000_000)
     assert fixed.run_names("contrast") == []  # the contrast family has no contrast of its own
+    assert contrast_members(fixed.table).empty
     contrast = plan.run_names("contrast")
-    assert contrast == [f"contrast-{r}" for r in fixed.run_names("family")]
+    smallest = [r for r in fixed.run_names("family") if r.startswith("d48-")]
+    assert contrast == [f"contrast-{r}" for r in fixed.run_names("family") if r not in smallest]
+    assert list(contrast_members(plan.table).run) == smallest + contrast
     for run in contrast:
         mine, twin = plan.spec(run), fixed.spec(run.removeprefix("contrast-"))
         assert mine.optim == twin.optim and mine.model == twin.model and mine.mup == twin.mup
         assert mine.role == "contrast" and not mine.monitor.enabled
         assert mine.variant == {"weight_decay": plan.spec("d48-tpp5-s0").optim.weight_decay}
-    taus = plan.table[plan.table.role == "contrast"].groupby("size", sort=False).tau.first()
+    taus = contrast_members(plan.table).groupby("size", sort=False).tau.first()
+    assert list(taus.index) == ["d48", "d64", "d96", "d128", "d192"]
     assert taus.is_monotonic_increasing and taus.iloc[0] == pytest.approx(0.2)
     assert taus.iloc[-1] > 0.24
-    assert "9 contrast" in plan_report_markdown(plan)
+    assert "6 contrast" in plan_report_markdown(plan)
 
 
 def test_hydra_overrides_reach_the_spec():

@@ -32,7 +32,7 @@ def test_reference_first_then_the_largest_run(tmp_path):
     reference_runs = {r: p for r, p in train.items() if r in reference}
     others = {r: p for r, p in train.items() if r not in reference}
     contrast = {r for r in others if r.startswith("contrast-")}
-    assert len(reference_runs) == 6 and len(others) == 18 and len(contrast) == 9, sorted(train)
+    assert len(reference_runs) == 6 and len(others) == 15 and len(contrast) == 6, sorted(train)
     reference_rule = jobs[("reference", "band=5")]
     assert min(reference_runs.values()) > max(others.values())
     assert reference_rule > max(others.values())

@@ -19,6 +19,7 @@ import pandas as pd
 
 from collapse import curves as C
 from collapse.layout import FamilyLayout
+from collapse.plan import contrast_members
 
 COMPARISON_COLUMNS = (
     "family", "band", "change", "delta_over_sigma_late", "supercollapse", "score_mean_delta",
@@ -36,7 +37,7 @@ def family_row(root: Path, change: str = "", role: str = "family") -> list[dict]
     "contrast", of its contrast runs (analysis under ``contrast/``, family.contrast)."""
     layout = FamilyLayout(Path(root))
     runs = pd.read_csv(layout.plan_dir / "runs.csv")
-    family = runs[runs.role == role]
+    family = contrast_members(runs) if role == "contrast" else runs[runs.role == role]
     analysis = layout.contrast_dir if role == "contrast" else layout.root
     label = layout.root.name + (" (contrast)" if role == "contrast" else "")
     rows = []

@@ -227,8 +227,9 @@ class FaultExperimentSpec(_Spec):
 class ContrastSpec(_Spec):
     """The contrast of the method (PAPER.md section 2): the family's runs of one band again,
     identical except that tau is not held fixed. Every size keeps the weight decay of the
-    smallest size, as Llama-style recipes hold lambda constant, so tau drifts with size. Its
-    collapse is measured by the same statistics and gates, next to the family's."""
+    smallest size, as Llama-style recipes hold lambda constant, so tau drifts with size (the
+    smallest size's own runs are shared, not trained again). Its collapse is measured by the
+    same statistics and gates, next to the family's."""
 
     tpp: PositiveFloat | None = None  # default: the family's first band
 

@@ -478,15 +478,17 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
 
 def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
     """The contrast (family.contrast): every family run of its band again, with the smallest
-    size's weight decay, so tau is not held fixed (the smallest size's runs are its own twins)."""
+    size's weight decay, so tau is not held fixed. The smallest size's runs already have that
+    weight decay: the contrast uses the family's own (contrast_members), it plans no twins."""
     family = cfg.family
     band = family.contrast_band()
     if band is None:
         return []
-    small, _ = plan_run(cfg, family.smallest_size(), band, 0, corpus_tokens=corpus_tokens)
+    smallest = family.smallest_size()
+    small, _ = plan_run(cfg, smallest, band, 0, corpus_tokens=corpus_tokens)
     variant = {"weight_decay": small.optim.weight_decay}
     out = []
-    for size in family.sizes:
+    for size in (s for s in family.sizes if s.name != smallest.name):
         seeds = family.reference.seeds if size.name in family.reference.sizes else family.seeds
         for seed in seeds:
             out.append(
@@ -501,6 +503,18 @@ def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]
                 )  # fmt: skip
             )
     return out
+
+
+def contrast_members(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the runs the contrast is measured on (a plan table or runs.csv): its own runs
+    and, for the sizes it plans none of (the smallest: its lambda is the contrast's already),
+    the family's runs of the contrast's band. Empty for a family without a contrast."""
+    own = table[table.role == "contrast"]
+    if own.empty:
+        return own
+    family = table[(table.role == "family") & (table.tpp_band == own.tpp_band.iloc[0])]
+    shared = family[~family["size"].isin(own["size"])]
+    return pd.concat([shared, own])
 
 
 def _check_ranges(runs: Iterable[RunSpec]) -> None:

@@ -1002,6 +1002,7 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
     """Family against its contrast (family.contrast), measured by the same statistics and
     gates: the method holds tau fixed; the contrast holds lambda fixed and lets tau drift."""
     from collapse.compare import comparison_figure, comparison_table, family_row
+    from collapse.plan import contrast_members
 
     if not (layout.contrast_dir / "collapse").is_dir():
         return
@@ -1024,7 +1025,7 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
         shown[col] = shown[col].map(_fixed(n))
     md = rep.table(table, "contrast", shown)
     runs = pd.read_csv(layout.plan_dir / "runs.csv")
-    taus = runs[runs.role == "contrast"].groupby("size", sort=False)["tau"].first()
+    taus = contrast_members(runs).groupby("size", sort=False)["tau"].first()
     drift = ", ".join(f"{size} {tau:.3f}" for size, tau in taus.items())
     rep.sections.append(
         _section("Contrast: tau not held fixed", [("contrast", figs)], [("contrast", md)])

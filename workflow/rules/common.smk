@@ -14,7 +14,7 @@ from snakemake.exceptions import WorkflowError
 
 from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
-from collapse.plan import plan_family, reference_csv
+from collapse.plan import contrast_members, plan_family, reference_csv
 
 
 envvars:
@@ -49,7 +49,7 @@ FAULTS_ON = FAMILY.faults is not None
 CONTRAST_ON = FAMILY.contrast is not None
 CONTRAST_BAND = f"{FAMILY.contrast_band():g}" if CONTRAST_ON else ""
 CONTRAST_ROOT = str(LAYOUT.contrast_dir)
-CONTRAST_RUNS = PLAN.run_names("contrast")
+CONTRAST_RUNS = list(contrast_members(PLAN.table).run)
 PLAN_OUT = str(LAYOUT.plan_dir)
 # The plan reruns when the resolved config or a spec changes (not when an estimate does).
 PLAN_SHA = hashlib.sha256(
@@ -82,9 +82,9 @@ def runs_in_band(band, *, reference_only=False):
 
 
 def contrast_runs(*, reference_only=False):
-    """The contrast's runs (one band); of the reference sizes only, if asked."""
-    t = PLAN.table
-    rows = t[t.role == "contrast"]
+    """The contrast's runs (one band, the smallest size's shared with the family); of the
+    reference sizes only, if asked."""
+    rows = contrast_members(PLAN.table)
     if reference_only:
         rows = rows[rows["size"].isin(FAMILY.reference.sizes)]
     return list(rows.run)
