@@ -49,7 +49,8 @@ FAULTS_ON = FAMILY.faults is not None
 CONTRAST_ON = FAMILY.contrast is not None
 CONTRAST_BAND = f"{FAMILY.contrast_band():g}" if CONTRAST_ON else ""
 CONTRAST_ROOT = str(LAYOUT.contrast_dir)
-CONTRAST_RUNS = list(contrast_members(PLAN.table).run)
+CONTRAST_TABLE = contrast_members(PLAN.table)  # its own runs and the shared family runs
+CONTRAST_RUNS = list(CONTRAST_TABLE.run)
 PLAN_OUT = str(LAYOUT.plan_dir)
 # The plan reruns when the resolved config or a spec changes (not when an estimate does).
 PLAN_SHA = hashlib.sha256(
@@ -84,7 +85,7 @@ def runs_in_band(band, *, reference_only=False):
 def contrast_runs(*, reference_only=False):
     """The contrast's runs (one band, the smallest size's shared with the family); of the
     reference sizes only, if asked."""
-    rows = contrast_members(PLAN.table)
+    rows = CONTRAST_TABLE
     if reference_only:
         rows = rows[rows["size"].isin(FAMILY.reference.sizes)]
     return list(rows.run)
