@@ -1018,7 +1018,8 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
     figs = rep.figure(comparison_figure(rows), "contrast")
     table = comparison_table(rows)
     shown = table.copy()
-    digits = {"delta_over_sigma_late": 2, "worst_abs_residual": 4, "threshold": 4}
+    digits = {"score_mean_delta": 5, "delta_over_sigma_late": 2}
+    digits |= {"worst_abs_residual": 4, "threshold": 4}
     digits |= dict.fromkeys(["final_loss_smallest", "final_loss_largest"], 3)
     digits |= dict.fromkeys(["ell_half_smallest", "ell_half_largest"], 3)
     for col, n in digits.items():
