@@ -1,6 +1,7 @@
 """The family spec: Hydra composition, validation, and the messages a bad spec gets."""
 
 import copy
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,17 @@ def test_three_families_compose_and_validate():
         cfg = load_config([f"family={name}", f"cluster={cluster}"])
         assert cfg.family.name == name
         assert cfg.cluster.name == cluster
+
+
+@pytest.mark.parametrize(
+    "family", sorted(p.stem for p in (Path(__file__).parents[1] / "config/family").glob("*.yaml"))
+)
+def test_every_family_in_the_config_group_plans(family):
+    """Probes and contrasts too: a family YAML that drifts from the schema fails here, not in
+    the session that next runs it (planning needs no corpus, so none has to be installed)."""
+    plan = plan_family(load_config([f"family={family}"]))
+    assert len(plan.table) > 0
+    assert plan.table.tokens.gt(0).all()
 
 
 def test_tiny_is_cpu_sized_and_spans_8x():
