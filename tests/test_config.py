@@ -294,6 +294,10 @@ MALFORMED = {
         _set(["family", "weight_decay"], 1.5),
         ["contrast: this family already holds the weight decay fixed", "contrast: null"],
     ),
+    "sweep at its own reference size": (
+        _set(["family", "sweeps", 0, "size"], "d48"),
+        ["sweeps[tau].size: 'd48' is also the size of the sweep's reference runs", "larger size"],
+    ),
     "contrast band not in family": (
         _set(["family", "contrast"], {"tpp": 7}),
         ["contrast.tpp: 7.0 is not one of the bands [5.0]"],

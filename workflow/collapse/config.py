@@ -329,6 +329,14 @@ class FamilySpec(_Spec):
                     f"sweeps[{sweep.name}].reference_size: {sweep.reference_size!r} is not a "
                     f"size of the family{_did_you_mean(sweep.reference_size, names)}"
                 )
+            ref_size = sweep.reference_size or (self.reference.sizes or [None])[0]
+            if sweep.size == ref_size:
+                problems.append(
+                    f"sweeps[{sweep.name}].size: {sweep.size!r} is also the size of the sweep's "
+                    "reference runs (reference_size, default the first reference size), so each "
+                    "variant would be predicted from a copy of itself; sweep a larger size or "
+                    "set reference_size to a smaller one"
+                )
             if sweep.tpp is not None and sweep.tpp not in self.tpp:
                 problems.append(
                     f"sweeps[{sweep.name}].tpp: {sweep.tpp} is not one of the bands {self.tpp}"
