@@ -14,7 +14,7 @@ step ``collapse.train`` runs (``build_stack`` + ``train_step``) on random tokens
 Each scenario runs in fresh processes, in alternating order over the rounds so that machine
 noise hits all of them; the ratios against ``alone@2`` are the figures to compare.
 
-    python benchmarks/bench_threads.py [--family tiny] [--sizes d64,d192] [--steps 12]
+    python benchmarks/bench_threads.py [--family tiny] [--sizes d96,d192] [--steps 12]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def scenario(spec: Path, threads: int, processes: int, steps: int, warmup: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="tiny", help="family config (default tiny)")
-    parser.add_argument("--sizes", default="d64,d192", help="comma-separated sizes")
+    parser.add_argument("--sizes", default="d96,d192", help="comma-separated sizes")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of all scenarios")

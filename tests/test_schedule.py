@@ -28,18 +28,18 @@ def test_reference_first_then_the_largest_run(tmp_path):
     most FLOPs first, so that the largest size does not train alone while the other cores idle."""
     jobs = dry_run_priorities(tmp_path)
     train = {w.removeprefix("run="): p for (rule, w), p in jobs.items() if rule == "train"}
-    reference = {f"{size}-tpp5-s{seed}" for size in ("d48", "d64") for seed in range(3)}
+    reference = {f"{size}-tpp10-s{seed}" for size in ("d96", "d128") for seed in range(3)}
     reference_runs = {r: p for r, p in train.items() if r in reference}
     others = {r: p for r, p in train.items() if r not in reference}
     contrast = {r for r in others if r.startswith("contrast-")}
-    assert len(reference_runs) == 6 and len(others) == 15 and len(contrast) == 6, sorted(train)
-    reference_rule = jobs[("reference", "band=5")]
+    assert len(reference_runs) == 6 and len(others) == 11 and len(contrast) == 4, sorted(train)
+    reference_rule = jobs[("reference", "band=10")]
     assert min(reference_runs.values()) > max(others.values())
     assert reference_rule > max(others.values())
     # d192 and its contrast twin (the same FLOPs) first: two cores train both at once
-    assert others["d192-tpp5-s0"] == others["contrast-d192-tpp5-s0"] == max(others.values())
+    assert others["d192-tpp10-s0"] == others["contrast-d192-tpp10-s0"] == max(others.values())
     assert (
-        others["d128-tpp5-s0"]
-        > others["sweep-tau-d96-tau0.2-s0"]
-        > others["sweepref-tau-d48-tau0.2-s0"]
+        others["contrast-d192-tpp10-s0"]
+        > others["sweep-tau-d128-tau0.2-s0"]
+        > others["sweepref-tau-d96-tau0.2-s0"]
     )
