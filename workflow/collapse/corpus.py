@@ -230,7 +230,8 @@ def bible_chapters(module_source: str) -> Iterator[str]:
     The module is ``bible = Bible(version, text, verse_start, verse_end, ...)`` with verse ids
     ``BBCCCVVV``; a chapter runs from its first verse's start to its last verse's end.
     """
-    call = ast.parse(module_source).body[-1].value
+    body = ast.parse(module_source).body
+    call = getattr(body[-1], "value", None) if body else None
     if not isinstance(call, ast.Call) or len(call.args) < 4:
         raise SourceError(
             "not a pythonbible text module: expected bible = Bible(version, text, ...)"
