@@ -226,12 +226,20 @@ class FaultExperimentSpec(_Spec):
 
 class ContrastSpec(_Spec):
     """The contrast of the method (PAPER.md section 2): the family's runs of one band again,
-    identical except that tau is not held fixed. Every size keeps the weight decay of the
-    smallest size, as Llama-style recipes hold lambda constant, so tau drifts with size (the
-    smallest size's own runs are shared, not trained again). Its collapse is measured by the
-    same statistics and gates, next to the family's."""
+    identical except that tau is not held fixed; the smallest size's own runs are shared, not
+    trained again. Its collapse is measured by the same statistics and gates, next to the
+    family's.
+
+    ``holds`` says which weight decay every size takes over from the smallest size:
+    ``decay_per_step``: the AdamW shrink per step, eta * lambda, as a recipe with one learning
+    rate and one lambda for every size applies it (Llama-style); tau = 1/(eta lambda T) then
+    falls as 1/T. ``weight_decay``: lambda itself. Under µP (eta ~ 1/width) with batch ~ sqrt(D)
+    that leaves tau nearly fixed (tiny: 1.12x from d96 to d192), so it contrasts little."""
 
     tpp: PositiveFloat | None = None  # default: the family's first band
+    holds: Literal["decay_per_step", "weight_decay"] = "decay_per_step"
+    # seeds of every contrast size; None: the family's (its reference seeds at reference sizes)
+    seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
 
 
 class TrainingSpec(_Spec):

@@ -51,7 +51,7 @@ RUNS_COLUMNS = [
     "params", "params_non_embedding", "tokens", "seq_len", "batch_seqs", "steps", "lr_peak",
     "weight_decay", "tau", "warmup_steps", "stop_fraction", "flops_6nd", "flops", "tp", "pp", "dp",
     "micro_batch_seqs", "grad_accum", "gpus", "nodes", "wall_hours", "gpu_hours", "epochs",
-    "memory_gb_per_gpu", "is_reference", "monitored", "fault",
+    "memory_gb_per_gpu", "is_reference", "monitored", "fault", "same_as",
 ]  # fmt: skip
 
 
@@ -67,6 +67,12 @@ class Plan:
 
     def run_names(self, role: str | None = None) -> list[str]:
         return [r.run for r in self.runs if role is None or r.role == role]
+
+    def shared_runs(self) -> dict[str, str]:
+        """Sweep members that train exactly like a family run, mapped to that run: they are
+        trained once, under the family's name (plan column ``same_as``)."""
+        shared = self.table[self.table.same_as != ""]
+        return dict(zip(shared.run, shared.same_as, strict=True))
 
     def spec(self, run: str) -> RunSpec:
         return next(r for r in self.runs if r.run == run)
@@ -359,6 +365,21 @@ def parameterize(arch: ModelArch, p: ParameterizationSpec, eta_base: float):
     )
 
 
+def training_key(spec: RunSpec) -> str:
+    """Everything that decides what a run logs, step for step. Two specs with one key are the
+    same run under two names (a sweep's variant at the family's own tau and seed), so the plan
+    trains it once and the sweep reads the family run's curve."""
+    decides = spec.model_dump(
+        mode="json",
+        include={
+            "model", "mup", "optim", "parallel", "logging", "fault", "dataset_prefix",
+            "valid_prefix", "tokenizer",
+        },
+    )  # fmt: skip
+    decides["stops_on_alarm"] = spec.monitor.enabled and spec.monitor.stop_on_alarm
+    return json.dumps(decides, sort_keys=True)
+
+
 def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
     keys = sorted(sweep.grid)
     return [
@@ -379,10 +400,17 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
         except ValueError:  # a streamed source of unknown size: epochs are not known
             corpus_tokens = 0
     runs, rows = [], []
+    family_runs: dict[str, str] = {}  # training key -> family run
 
     def add(spec: RunSpec, facts: dict) -> None:
+        key = training_key(spec)
+        same_as = ""
+        if spec.role == "family":
+            family_runs.setdefault(key, spec.run)
+        elif spec.role in ("sweep", "sweep_reference"):
+            same_as = family_runs.get(key, "")
         runs.append(spec)
-        rows.append(_row(spec, facts))
+        rows.append(_row(spec, facts | {"same_as": same_as}))
 
     try:
         for tpp in family.tpp:
@@ -477,19 +505,25 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
 
 
 def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
-    """The contrast (family.contrast): every family run of its band again, with the smallest
-    size's weight decay, so tau is not held fixed. The smallest size's runs already have that
-    weight decay: the contrast uses the family's own (contrast_members), it plans no twins."""
+    """The contrast (family.contrast): the family's runs of its band again, each size with the
+    weight decay the smallest size's would give it (``contrast.holds``: eta * lambda or lambda),
+    so tau is not held fixed. The smallest size's runs already have it: the contrast uses the
+    family's own (contrast_members), it plans no twins."""
     family = cfg.family
     band = family.contrast_band()
     if band is None:
         return []
     smallest = family.smallest_size()
     small, _ = plan_run(cfg, smallest, band, 0, corpus_tokens=corpus_tokens)
-    variant = {"weight_decay": small.optim.weight_decay}
     out = []
     for size in (s for s in family.sizes if s.name != smallest.name):
-        seeds = family.reference.seeds if size.name in family.reference.sizes else family.seeds
+        own, _ = plan_run(cfg, size, band, 0, corpus_tokens=corpus_tokens)
+        decay = small.optim.weight_decay
+        if family.contrast.holds == "decay_per_step":
+            decay = small.optim.lr_peak * small.optim.weight_decay / own.optim.lr_peak
+        seeds = family.contrast.seeds or (
+            family.reference.seeds if size.name in family.reference.sizes else family.seeds
+        )
         for seed in seeds:
             out.append(
                 plan_run(
@@ -499,7 +533,7 @@ def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]
                     seed,
                     corpus_tokens=corpus_tokens,
                     role="contrast",
-                    variant=variant,
+                    variant={"weight_decay": decay},
                 )  # fmt: skip
             )
     return out
@@ -609,8 +643,9 @@ def plan_report_markdown(plan: Plan) -> str:
         fmt[col] = fmt[col].map(_si)
     for col in ("lr_peak", "weight_decay", "tau", "tpp", "wall_hours", "gpu_hours", "epochs"):
         fmt[col] = fmt[col].map(lambda x: f"{x:.3g}")
-    total_gpu_h = t["gpu_hours"].sum()
-    total_wall_h = t["wall_hours"].sum()
+    trained = t[t.same_as == ""]  # a shared run costs nothing twice
+    total_gpu_h = trained["gpu_hours"].sum()
+    total_wall_h = trained["wall_hours"].sum()
     lines = [
         f"# Compute plan: family `{fam.name}` on cluster `{cl.name}`",
         "",
@@ -618,9 +653,14 @@ def plan_report_markdown(plan: Plan) -> str:
         "",
         f"- runs: {len(t)} ({(t.role == 'family').sum()} family, "
         f"{t.role.isin(['sweep', 'sweep_reference']).sum()} sweep, "
-        f"{(t.role == 'fault').sum()} fault experiment, {(t.role == 'contrast').sum()} contrast)",
-        f"- training FLOPs (Table 9 accounting): {_si(t.flops.sum())}; "
-        f"6ND: {_si(t.flops_6nd.sum())}",
+        f"{(t.role == 'fault').sum()} fault experiment, {(t.role == 'contrast').sum()} contrast)"
+        + (
+            f"; {len(t) - len(trained)} of them a family run's twin, trained once"
+            if len(t) > len(trained)
+            else ""
+        ),
+        f"- training FLOPs (Table 9 accounting): {_si(trained.flops.sum())}; "
+        f"6ND: {_si(trained.flops_6nd.sum())}; tokens: {_si(trained.tokens.sum())}",
         f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",
         f"- wall-hours if run one after another: {total_wall_h:,.2f}",
         f"- reference sizes: {', '.join(fam.reference.sizes)} (seeds {fam.reference.seeds})",

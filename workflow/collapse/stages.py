@@ -43,6 +43,28 @@ def _collapse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _share(args: argparse.Namespace) -> int:
+    """A run the plan found to train exactly like a family run (plan column ``same_as``): its
+    outputs are that run's, relabelled with its own name, so the compute is spent once."""
+    import pandas as pd
+
+    from collapse.train import CURVE_FILE, META_FILE, VALID_FILE
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in (CURVE_FILE, VALID_FILE):
+        frame = pd.read_parquet(args.source / name).assign(run=args.run)
+        tmp = args.out / (name + ".tmp")
+        frame.to_parquet(tmp, index=False)
+        tmp.replace(args.out / name)
+    meta = json.loads((args.source / META_FILE).read_text())
+    meta |= {"run": args.run, "same_as": meta["run"]}
+    tmp = args.out / (META_FILE + ".tmp")  # written last: its presence marks a finished run
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    tmp.replace(args.out / META_FILE)
+    print(f"{args.run}: the outputs of {meta['same_as']} (the same training, trained once)")
+    return 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
     """Predict every variant against the small run of its own tau; metrics where truth is known.
 
@@ -158,6 +180,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", type=Path, default=None, help="reference.csv")
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=_collapse)
+
+    p = sub.add_parser("share", help="a run's outputs from the family run it duplicates")
+    p.add_argument("--run", required=True, help="the run's own name")
+    p.add_argument("--source", type=Path, required=True, help="the family run's folder")
+    p.add_argument("--out", type=Path, required=True, help="the run's folder")
+    p.set_defaults(func=_share)
 
     p = sub.add_parser("sweep", help="predict a sweep's final losses from partial runs")
     p.add_argument("curves", nargs="+", type=Path, help="variants and their sweep_reference runs")

@@ -7,6 +7,7 @@ run; a bad spec stops here, before any job, with a message naming the field and 
 import hashlib
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -45,6 +46,9 @@ TPP_BANDS = [f"{b:g}" for b in FAMILY.tpp]
 FAMILY_RUNS = PLAN.run_names("family")
 SWEEP_RUNS = PLAN.run_names("sweep")
 SWEEPS = [s.name for s in FAMILY.sweeps]
+SHARED_RUNS = (
+    PLAN.shared_runs()
+)  # sweep run -> the family run it duplicates (trained once)
 FAULTS_ON = FAMILY.faults is not None
 CONTRAST_ON = FAMILY.contrast is not None
 CONTRAST_BAND = f"{FAMILY.contrast_band():g}" if CONTRAST_ON else ""

@@ -34,3 +34,32 @@ rule train:
         ),
     shell:
         "{params.command} > {log} 2>&1"
+
+
+if SHARED_RUNS:
+
+    ruleorder: share_run > train
+
+    rule share_run:
+        """A sweep run that trains exactly like a family run: that run's outputs, relabelled."""
+        input:
+            curve=lambda wc: curve(SHARED_RUNS[wc.run]),
+            valid=lambda wc: str(LAYOUT.run_dir(SHARED_RUNS[wc.run]) / "valid.parquet"),
+            meta=lambda wc: str(LAYOUT.run_dir(SHARED_RUNS[wc.run]) / "meta.json"),
+        output:
+            curve=f"{ROOT}/runs/{{run}}/curve.parquet",
+            valid=f"{ROOT}/runs/{{run}}/valid.parquet",
+            meta=f"{ROOT}/runs/{{run}}/meta.json",
+        log:
+            f"{ROOT}/logs/train/{{run}}.log",
+        wildcard_constraints:
+            run="|".join(re.escape(r) for r in SHARED_RUNS),
+        localrule: True
+        conda:
+            "../../envs/collapse.yaml"
+        params:
+            source=lambda wc, input: os.path.dirname(input.curve),
+            out=lambda wc, output: os.path.dirname(output.curve),
+        shell:
+            "collapse stage share --run {wildcards.run} --source {params.source}"
+            " --out {params.out} > {log} 2>&1"
