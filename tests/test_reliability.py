@@ -210,6 +210,27 @@ def test_a_broken_newest_checkpoint_falls_back_to_the_one_before(tmp_path, refer
     assert_same_run(spec, reference)
 
 
+# ------------------------------------------------------------------------------ a changed spec
+def test_checkpoints_of_another_trajectory_are_set_aside_not_resumed(tmp_path, reference):
+    """A spec whose weight decay changed (as after an edit of family.tau) is another run: its
+    old checkpoints are moved aside and training starts at step 1, not spliced onto them."""
+    spec = _spec(tmp_path)
+    optim = spec.optim.model_copy(update={"weight_decay": 2 * spec.optim.weight_decay})
+    spec = spec.model_copy(update={"optim": optim})
+    root = _copy_checkpoints(reference, spec)
+    text = _rerun(spec, tmp_path)
+    assert "belongs to another trajectory" in text and _resumed_step(text) is None, text[-3000:]
+    curve = _curve(spec)
+    assert curve.step.tolist() == list(range(1, STEPS + 1)) and not curve["restart"].any()
+    assert not curve.loss.equals(_curve(reference).loss)  # its own run, not the copied one
+    aside = list(root.glob("superseded-*"))
+    assert len(aside) == 1 and [checkpoint.step_of(d) for d in checkpoint.candidates(aside[0])] == [
+        80,
+        75,
+    ]
+    assert [checkpoint.step_of(d) for d in checkpoint.candidates(root)] == [80, 75]  # its own
+
+
 # ------------------------------------------------------------------------------ bad datasets
 def _truncate_train_bin(spec: RunSpec) -> Path:
     path = Path(spec.dataset_prefix + ".bin")

@@ -32,7 +32,9 @@ def test_reference_first_then_the_largest_run(tmp_path):
     reference_runs = {r: p for r, p in train.items() if r in reference}
     others = {r: p for r, p in train.items() if r not in reference}
     contrast = {r for r in others if r.startswith("contrast-")}
-    assert len(reference_runs) == 6 and len(others) == 11 and len(contrast) == 4, sorted(train)
+    # the sweep's tau-0.2 run and its d96 reference are d128-s0 and d96-s0 (share_run, no train)
+    assert "sweep-tau-d128-tau0.2-s0" not in train and "sweepref-tau-d96-tau0.2-s0" not in train
+    assert len(reference_runs) == 6 and len(others) == 7 and len(contrast) == 2, sorted(train)
     reference_rule = jobs[("reference", "band=10")]
     assert min(reference_runs.values()) > max(others.values())
     assert reference_rule > max(others.values())
@@ -40,6 +42,6 @@ def test_reference_first_then_the_largest_run(tmp_path):
     assert others["d192-tpp10-s0"] == others["contrast-d192-tpp10-s0"] == max(others.values())
     assert (
         others["contrast-d192-tpp10-s0"]
-        > others["sweep-tau-d128-tau0.2-s0"]
-        > others["sweepref-tau-d96-tau0.2-s0"]
+        > others["sweep-tau-d128-tau0.4-s0"]
+        > others["sweepref-tau-d96-tau0.4-s0"]
     )

@@ -216,6 +216,25 @@ def find_resume_point(checkpoint_dir: str | Path) -> Path | None:
     return _broadcast_path(found)
 
 
+def read_train_state(directory: Path) -> dict:
+    """The train state of a verified checkpoint alone (cheap: no model or optimizer)."""
+    return torch.load(directory / TRAIN_STATE, weights_only=False)
+
+
+def set_aside(checkpoint_dir: str | Path, tag: str) -> Path:
+    """Collectively move every checkpoint (and ``latest``) into ``superseded-<tag>/`` inside
+    ``checkpoint_dir``: kept for the user to inspect or delete, invisible to resume."""
+    root = Path(checkpoint_dir)
+    target = root / f"superseded-{tag}"
+    if _is_rank0():
+        target.mkdir(parents=True, exist_ok=True)
+        for path in [*candidates(root), root / LATEST]:
+            if path.exists():
+                os.replace(path, target / path.name)
+    _barrier()
+    return target
+
+
 def load(directory: Path, sharded_state: dict) -> tuple[dict, dict]:
     """Load (collectively) the sharded state and the train state of a verified checkpoint."""
     from megatron.core import dist_checkpointing

@@ -365,21 +365,6 @@ def parameterize(arch: ModelArch, p: ParameterizationSpec, eta_base: float):
     )
 
 
-def training_key(spec: RunSpec) -> str:
-    """Everything that decides what a run logs, step for step. Two specs with one key are the
-    same run under two names (a sweep's variant at the family's own tau and seed), so the plan
-    trains it once and the sweep reads the family run's curve."""
-    decides = spec.model_dump(
-        mode="json",
-        include={
-            "model", "mup", "optim", "parallel", "logging", "fault", "dataset_prefix",
-            "valid_prefix", "tokenizer",
-        },
-    )  # fmt: skip
-    decides["stops_on_alarm"] = spec.monitor.enabled and spec.monitor.stop_on_alarm
-    return json.dumps(decides, sort_keys=True)
-
-
 def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
     keys = sorted(sweep.grid)
     return [
@@ -400,10 +385,10 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
         except ValueError:  # a streamed source of unknown size: epochs are not known
             corpus_tokens = 0
     runs, rows = [], []
-    family_runs: dict[str, str] = {}  # training key -> family run
+    family_runs: dict[str, str] = {}  # outputs key -> family run
 
     def add(spec: RunSpec, facts: dict) -> None:
-        key = training_key(spec)
+        key = spec.outputs_key()
         same_as = ""
         if spec.role == "family":
             family_runs.setdefault(key, spec.run)

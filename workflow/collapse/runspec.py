@@ -169,6 +169,29 @@ class RunSpec(_Strict):
     def to_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
 
+    def trajectory_key(self) -> str:
+        """What decides the weights at every step: the model, its parameterization, AdamW and
+        its schedule, the seed, an injected fault. Not where a run stops, its layout, logging
+        or paths, which a resumed run may change; a checkpoint of another trajectory is not
+        resumed (collapse.train.resume)."""
+        decides = self.model_dump(mode="json", include={"model", "mup", "optim", "fault"})
+        decides["optim"].pop("stop_fraction")
+        return json.dumps(decides, sort_keys=True)
+
+    def outputs_key(self) -> str:
+        """What decides everything a run writes, step for step: two specs with one key are the
+        same run under two names (a sweep's variant at the family's own tau and seed), which
+        the plan trains once (plan column ``same_as``)."""
+        decides = self.model_dump(
+            mode="json",
+            include={
+                "model", "mup", "optim", "parallel", "logging", "fault", "dataset_prefix",
+                "valid_prefix", "tokenizer",
+            },
+        )  # fmt: skip
+        decides["stops_on_alarm"] = self.monitor.enabled and self.monitor.stop_on_alarm
+        return json.dumps(decides, sort_keys=True)
+
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         return cls.model_validate_json(Path(path).read_text())

@@ -72,6 +72,10 @@ def spec_hash(spec: RunSpec) -> str:
     return hashlib.sha256(spec.to_json().encode()).hexdigest()[:16]
 
 
+def trajectory_hash(spec: RunSpec) -> str:
+    return hashlib.sha256(spec.trajectory_key().encode()).hexdigest()[:16]
+
+
 def set_threads(spec: RunSpec) -> int:
     """CPU threads per process: OMP_NUM_THREADS if set, else the job's threads per local rank."""
     local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -505,7 +509,7 @@ def save_checkpoint(stack: Stack, spec: RunSpec, state: RunState) -> Path:
             spec.checkpoint_dir,
             state.step,
             sharded_state(stack, is_loading=False),
-            {"spec_hash": spec_hash(spec), **state.to_dict()},
+            {"spec_hash": spec_hash(spec), "trajectory": trajectory_hash(spec), **state.to_dict()},
             keep=spec.logging.keep_checkpoints,
         )
     except checkpoint.CheckpointError as err:
@@ -535,14 +539,26 @@ def resume(stack: Stack, spec: RunSpec) -> RunState:
     directory = checkpoint.find_resume_point(spec.checkpoint_dir)
     if directory is None:
         return RunState()
+    saved_trajectory = checkpoint.read_train_state(directory).get("trajectory")
+    if saved_trajectory not in (None, trajectory_hash(spec)):
+        # The spec changed what the weights would be (lambda, the seed, the schedule...): the
+        # checkpoints are another run's. Resuming would splice two runs into one curve.
+        moved = checkpoint.set_aside(spec.checkpoint_dir, saved_trajectory)
+        log(
+            f"checkpoint {directory} belongs to another trajectory ({saved_trajectory}, this "
+            f"spec's is {trajectory_hash(spec)}): model, parameterization, optimizer, seed or "
+            f"fault changed. Moved to {moved}; training starts afresh"
+        )
+        return RunState()
     prepare_optimizer_state_for_load(stack)
     loaded, train_state = checkpoint.load(directory, sharded_state(stack, is_loading=True))
     saved_hash = train_state.pop("spec_hash", None)
+    train_state.pop("trajectory", None)
     if saved_hash != spec_hash(spec):
         log(
-            f"warning: checkpoint {directory} was written for another version of the spec "
-            f"({saved_hash} != {spec_hash(spec)}); resuming anyway. Delete "
-            f"{spec.checkpoint_dir} to start afresh."
+            f"note: checkpoint {directory} was written for another version of the spec "
+            f"({saved_hash} != {spec_hash(spec)}) with the same trajectory (layout, logging, "
+            "paths or stop may differ); resuming"
         )
     stack.model.module.load_state_dict(loaded["model"])
     stack.optimizer.load_state_dict(loaded["optimizer"])
