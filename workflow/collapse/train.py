@@ -540,13 +540,14 @@ def resume(stack: Stack, spec: RunSpec) -> RunState:
     if directory is None:
         return RunState()
     saved_trajectory = checkpoint.read_train_state(directory).get("trajectory")
-    if saved_trajectory not in (None, trajectory_hash(spec)):
+    trajectory = trajectory_hash(spec)
+    if saved_trajectory not in (None, trajectory):
         # The spec changed what the weights would be (lambda, the seed, the schedule...): the
         # checkpoints are another run's. Resuming would splice two runs into one curve.
         moved = checkpoint.set_aside(spec.checkpoint_dir, saved_trajectory)
         log(
             f"checkpoint {directory} belongs to another trajectory ({saved_trajectory}, this "
-            f"spec's is {trajectory_hash(spec)}): model, parameterization, optimizer, seed or "
+            f"spec's is {trajectory}): model, parameterization, optimizer, seed or "
             f"fault changed. Moved to {moved}; training starts afresh"
         )
         return RunState()

@@ -46,9 +46,8 @@ TPP_BANDS = [f"{b:g}" for b in FAMILY.tpp]
 FAMILY_RUNS = PLAN.run_names("family")
 SWEEP_RUNS = PLAN.run_names("sweep")
 SWEEPS = [s.name for s in FAMILY.sweeps]
-SHARED_RUNS = (
-    PLAN.shared_runs()
-)  # sweep run -> the family run it duplicates (trained once)
+# sweep run -> the family run it duplicates (trained once, rule share_run)
+SHARED_RUNS = PLAN.shared_runs()
 FAULTS_ON = FAMILY.faults is not None
 CONTRAST_ON = FAMILY.contrast is not None
 CONTRAST_BAND = f"{FAMILY.contrast_band():g}" if CONTRAST_ON else ""
