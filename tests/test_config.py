@@ -162,6 +162,25 @@ def test_the_familys_contrast_is_its_runs_with_the_smallest_sizes_lambda():
     assert "6 contrast" in plan_report_markdown(plan)
 
 
+def test_wrong_tau_fault_takes_the_smallest_sizes_decay_as_the_contrast_does():
+    """A wrong-tau fault is the largest size with the smallest size's eta * lambda (default) or
+    lambda: the tau it trains at is the contrast's for that size, and the controls audit's
+    deviation is the one the README quotes."""
+    plan = plan_family(load_config(["family=tiny", "faults=standard"]), corpus_tokens=14_000_000)
+    fault = plan.spec("fault-wrong-tau-d192-s0")
+    assert fault.optim == plan.spec("contrast-d192-tpp10-s0").optim
+    assert fault.optim.tau == pytest.approx(0.2 * 0.56, rel=0.02)  # 1.8x off the family's 0.2
+    held = plan_family(
+        load_config(
+            ["family=tiny", "faults=standard", "+family.faults.injections.3.holds=weight_decay"]
+        ),
+        corpus_tokens=14_000_000,
+    )
+    fault = held.spec("fault-wrong-tau-d192-s0")
+    assert fault.optim.weight_decay == held.spec("d96-tpp10-s0").optim.weight_decay
+    assert 0.2 < fault.optim.tau < 0.25  # lambda alone barely moves tau under µP
+
+
 def test_hydra_overrides_reach_the_spec():
     cfg = load_config(["family.tpp=[5,10]", "family.tau=[0.3]", "family.seeds=[3]"])
     assert cfg.family.tpp == [5, 10] and cfg.family.tau == [0.3] and cfg.family.seeds == [3]
@@ -300,6 +319,13 @@ MALFORMED = {
     "unknown fault kind": (
         _set(["family", "faults"], {"injections": [{"name": "a", "kind": "bitflip"}]}),
         ["faults.injections[0](a).kind", "loss_kernel", "bitflip"],
+    ),
+    "holds on a fault other than wrong_tau": (
+        _set(
+            ["family", "faults"],
+            {"injections": [{"name": "a", "kind": "nan_loss", "holds": "weight_decay"}]},
+        ),
+        ["holds applies to kind wrong_tau only", "remove it"],
     ),
     "contrast of a family that fixes lambda": (
         _set(["family", "weight_decay"], 1.5),

@@ -181,13 +181,28 @@ class FaultSpec(_Spec):
     lr_spike, the LR factor for 1 % of the schedule; data_repeat, the window of the last
     batches (a fraction of training) that the loader replays in a loop (0: rewind to the start);
     nan_loss and wrong_tau ignore it. wrong_tau is a planning fault: the size keeps the smallest
-    size's weight decay (lambda not rescaled, so tau drifts).
+    size's weight decay, not rescaled, so tau drifts; ``holds`` says which (as in ContrastSpec:
+    eta * lambda by default, since lambda alone barely moves tau under µP).
     """
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$")]
     kind: Literal[FAULT_KINDS]
     magnitude: Annotated[float, Field(ge=0)] = 0.0
     at_fraction: Annotated[float, Field(gt=0, lt=1)] | None = None  # default: the experiment's
+    holds: Literal["decay_per_step", "weight_decay"] | None = None  # wrong_tau only
+
+    @model_validator(mode="after")
+    def _holds_is_wrong_tau_only(self) -> FaultSpec:
+        if self.holds is not None and self.kind != "wrong_tau":
+            raise ValueError(
+                f"fault {self.name!r}: holds applies to kind wrong_tau only; remove it from "
+                f"this {self.kind} fault"
+            )
+        return self
+
+    def held_decay(self) -> Literal["decay_per_step", "weight_decay"]:
+        """What a wrong_tau size takes over from the smallest size unchanged."""
+        return self.holds or "decay_per_step"
 
 
 class DetectorSpec(_Spec):

@@ -441,10 +441,19 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
     return Plan(config=cfg, runs=tuple(runs), table=table)
 
 
+def inherited_weight_decay(smallest: Optimization, own: Optimization, holds: str) -> float:
+    """The lambda a size gets when its weight decay is taken over from the smallest size instead
+    of solved from tau: lambda itself (``weight_decay``) or the AdamW shrink per step eta * lambda
+    (``decay_per_step``, as one LR and one lambda for every size apply it)."""
+    if holds == "decay_per_step":
+        return smallest.lr_peak * smallest.weight_decay / own.lr_peak
+    return smallest.weight_decay
+
+
 def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
     """The fault-detection experiment: each injected fault in one size (default: the largest),
     seed 0 (the family's own run of that size is its clean twin), plus clean seeds of that size
-    the family does not train already. wrong_tau keeps the smallest size's weight decay."""
+    the family does not train already. wrong_tau keeps the smallest size's eta*lambda or lambda."""
     family = cfg.family
     spec = family.faults
     if spec is None:
@@ -471,9 +480,14 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
             name=injection.name,
         )
         variant = {}
-        if injection.kind == "wrong_tau":  # lambda as tuned at the smallest size, not rescaled
+        if injection.kind == "wrong_tau":  # the smallest size's decay, not rescaled
             small, _ = plan_run(cfg, smallest, tpp, 0, corpus_tokens=corpus_tokens)
-            variant = {"weight_decay": small.optim.weight_decay}
+            own, _ = plan_run(cfg, size, tpp, 0, corpus_tokens=corpus_tokens)
+            variant = {
+                "weight_decay": inherited_weight_decay(
+                    small.optim, own.optim, injection.held_decay()
+                )
+            }
         out.append(
             plan_run(
                 cfg,
@@ -503,9 +517,7 @@ def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]
     out = []
     for size in (s for s in family.sizes if s.name != smallest.name):
         own, _ = plan_run(cfg, size, band, 0, corpus_tokens=corpus_tokens)
-        decay = small.optim.weight_decay
-        if family.contrast.holds == "decay_per_step":
-            decay = small.optim.lr_peak * small.optim.weight_decay / own.optim.lr_peak
+        decay = inherited_weight_decay(small.optim, own.optim, family.contrast.holds)
         seeds = family.contrast.seeds or (
             family.reference.seeds if size.name in family.reference.sizes else family.seeds
         )
