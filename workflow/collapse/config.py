@@ -255,6 +255,9 @@ class ContrastSpec(_Spec):
     holds: Literal["decay_per_step", "weight_decay"] = "decay_per_step"
     # seeds of every contrast size; None: the family's (its reference seeds at reference sizes)
     seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    # the sizes trained again; None: every size but the smallest (whose runs are shared). The
+    # largest alone is the cheapest contrast that still spans the family's whole range of tau.
+    sizes: list[str] | None = Field(default=None, min_length=1)
 
 
 class TrainingSpec(_Spec):
@@ -397,6 +400,18 @@ class FamilySpec(_Spec):
                 problems.append(
                     f"contrast.tpp: {self.contrast.tpp} is not one of the bands {self.tpp}"
                 )
+            for name in self.contrast.sizes or []:
+                if name not in names:
+                    problems.append(
+                        f"contrast.sizes: {name!r} is not a size of the family"
+                        f"{_did_you_mean(name, names)}"
+                    )
+                elif name == self.smallest_size().name:
+                    problems.append(
+                        f"contrast.sizes: {name!r} is the smallest size, whose own runs are the "
+                        "contrast's already (its weight decay is the one the others take over); "
+                        "list larger sizes only"
+                    )
         if len({s.name for s in self.sweeps}) != len(self.sweeps):
             problems.append("sweeps: two sweeps share a name; names must be unique")
         if problems:

@@ -515,7 +515,8 @@ def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]
     smallest = family.smallest_size()
     small, _ = plan_run(cfg, smallest, band, 0, corpus_tokens=corpus_tokens)
     out = []
-    for size in (s for s in family.sizes if s.name != smallest.name):
+    chosen = family.contrast.sizes or [s.name for s in family.sizes if s.name != smallest.name]
+    for size in (s for s in family.sizes if s.name in chosen):
         own, _ = plan_run(cfg, size, band, 0, corpus_tokens=corpus_tokens)
         decay = inherited_weight_decay(small.optim, own.optim, family.contrast.holds)
         seeds = family.contrast.seeds or (
@@ -537,14 +538,15 @@ def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]
 
 
 def contrast_members(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the runs the contrast is measured on (a plan table or runs.csv): its own runs
-    and, for the sizes it plans none of (the smallest: its lambda is the contrast's already),
-    the family's runs of the contrast's band. Empty for a family without a contrast."""
+    """The rows of the runs the contrast is measured on (a plan table or runs.csv): the family's
+    runs of the smallest size in the contrast's band (its lambda is the contrast's already), then
+    the contrast's own runs. Empty for a family without a contrast."""
     own = table[table.role == "contrast"]
     if own.empty:
         return own
     family = table[(table.role == "family") & (table.tpp_band == own.tpp_band.iloc[0])]
-    shared = family[~family["size"].isin(own["size"])]
+    width = family.n_layers * family.d_model**2  # as FamilySpec.smallest_size ranks sizes
+    shared = family[width == width.min()]
     return pd.concat([shared, own])
 
 
@@ -641,6 +643,11 @@ def plan_report_markdown(plan: Plan) -> str:
     for col in ("lr_peak", "weight_decay", "tau", "tpp", "wall_hours", "gpu_hours", "epochs"):
         fmt[col] = fmt[col].map(lambda x: f"{x:.3g}")
     trained = t[t.same_as == ""]  # a shared run costs nothing twice
+
+    def done(column: pd.Series) -> float:
+        """What the runs train of a full-length figure (a run stopped early trains a part)."""
+        return float((column * trained.stop_fraction).sum())
+
     total_gpu_h = trained["gpu_hours"].sum()
     total_wall_h = trained["wall_hours"].sum()
     lines = [
@@ -656,8 +663,13 @@ def plan_report_markdown(plan: Plan) -> str:
             if len(t) > len(trained)
             else ""
         ),
-        f"- training FLOPs (Table 9 accounting): {_si(trained.flops.sum())}; "
-        f"6ND: {_si(trained.flops_6nd.sum())}; tokens: {_si(trained.tokens.sum())}",
+        f"- training FLOPs (Table 9 accounting): {_si(done(trained.flops))}; "
+        f"6ND: {_si(done(trained.flops_6nd))}; tokens: {_si(done(trained.tokens))}"
+        + (
+            " (sweep variants stopped early count the part they train)"
+            if (trained.stop_fraction < 1).any()
+            else ""
+        ),
         f"- GPU-hours at MFU {cl.mfu:.0%}: {total_gpu_h:,.1f}",
         f"- wall-hours if run one after another: {total_wall_h:,.2f}",
         f"- reference sizes: {', '.join(fam.reference.sizes)} (seeds {fam.reference.seeds})",

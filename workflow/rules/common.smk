@@ -142,7 +142,8 @@ def train_priority(wildcards):
     reference, whose rule has REFERENCE_PRIORITY), then the longest runs first, so that the
     largest size does not train alone at the end while the other cores idle."""
     row = PLAN.table.set_index("run").loc[wildcards.run]
-    flops_rank = math.log10(max(float(row.flops), 1.0))  # < 30 for any real run
+    trained = float(row.flops) * float(row.stop_fraction)  # a sweep variant stops early
+    flops_rank = math.log10(max(trained, 1.0))  # < 30 for any real run
     return (REFERENCE_PRIORITY if row.is_reference else 0) + flops_rank
 
 
