@@ -37,6 +37,7 @@ OVERRIDES = [
     "family.sweeps.0.size=d128",
     "family.tpp=[10,20]",
     "family.tau=[0.2,0.1]",
+    "family.contrast.sizes=null",
 ]
 FAULTY = "d256-tpp10-s0"  # its loss rises 3 % over the last 40 % of training
 PARTIAL = "d192-tpp20-s0"  # stopped at 70 % of its schedule (still training)
