@@ -307,7 +307,7 @@ def plot_collapse(
                 color=colour,
                 lw=0.9,
                 alpha=0.8,
-                label=f"size {size} ({len(rows)} runs)" if j == 0 else None,
+                label=f"size {size} ({len(rows)} run{'s' * (len(rows) > 1)})" if j == 0 else None,
             )
     window = ell[:, _in(matrix.grid, SCORE_WINDOW)]
     if np.isfinite(window).any():
