@@ -172,6 +172,9 @@ class SweepSpec(_Spec):
 
 
 FAULT_KINDS = ("loss_kernel", "lr_spike", "data_repeat", "nan_loss", "wrong_tau")
+# What a size takes over from the smallest size when its weight decay is not solved from tau
+# (the contrast, the wrong_tau fault): the AdamW shrink per step eta * lambda, or lambda itself.
+HeldDecay = Literal["decay_per_step", "weight_decay"]
 
 
 class FaultSpec(_Spec):
@@ -189,20 +192,16 @@ class FaultSpec(_Spec):
     kind: Literal[FAULT_KINDS]
     magnitude: Annotated[float, Field(ge=0)] = 0.0
     at_fraction: Annotated[float, Field(gt=0, lt=1)] | None = None  # default: the experiment's
-    holds: Literal["decay_per_step", "weight_decay"] | None = None  # wrong_tau only
+    holds: HeldDecay = "decay_per_step"  # wrong_tau only
 
     @model_validator(mode="after")
     def _holds_is_wrong_tau_only(self) -> FaultSpec:
-        if self.holds is not None and self.kind != "wrong_tau":
+        if "holds" in self.model_fields_set and self.kind != "wrong_tau":
             raise ValueError(
                 f"fault {self.name!r}: holds applies to kind wrong_tau only; remove it from "
                 f"this {self.kind} fault"
             )
         return self
-
-    def held_decay(self) -> Literal["decay_per_step", "weight_decay"]:
-        """What a wrong_tau size takes over from the smallest size unchanged."""
-        return self.holds or "decay_per_step"
 
 
 class DetectorSpec(_Spec):
@@ -252,7 +251,7 @@ class ContrastSpec(_Spec):
     that leaves tau nearly fixed (tiny: 1.12x from d96 to d192), so it contrasts little."""
 
     tpp: PositiveFloat | None = None  # default: the family's first band
-    holds: Literal["decay_per_step", "weight_decay"] = "decay_per_step"
+    holds: HeldDecay = "decay_per_step"
     # seeds of every contrast size; None: the family's (its reference seeds at reference sizes)
     seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     # the sizes trained again; None: every size but the smallest (whose runs are shared). The

@@ -25,6 +25,7 @@ from collapse.config import (
     Config,
     ConfigError,
     FamilySpec,
+    HeldDecay,
     ParameterizationSpec,
     SizeSpec,
     SweepSpec,
@@ -441,7 +442,7 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
     return Plan(config=cfg, runs=tuple(runs), table=table)
 
 
-def inherited_weight_decay(smallest: Optimization, own: Optimization, holds: str) -> float:
+def inherited_weight_decay(smallest: Optimization, own: Optimization, holds: HeldDecay) -> float:
     """The lambda a size gets when its weight decay is taken over from the smallest size instead
     of solved from tau: lambda itself (``weight_decay``) or the AdamW shrink per step eta * lambda
     (``decay_per_step``, as one LR and one lambda for every size apply it)."""
@@ -484,9 +485,7 @@ def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec
             small, _ = plan_run(cfg, smallest, tpp, 0, corpus_tokens=corpus_tokens)
             own, _ = plan_run(cfg, size, tpp, 0, corpus_tokens=corpus_tokens)
             variant = {
-                "weight_decay": inherited_weight_decay(
-                    small.optim, own.optim, injection.held_decay()
-                )
+                "weight_decay": inherited_weight_decay(small.optim, own.optim, injection.holds)
             }
         out.append(
             plan_run(
