@@ -29,3 +29,22 @@ def test_a_small_size_trains_through_snakemake(tmp_path):
 
     again = run_snakemake(tmp_path, target, "-n", *CONFIG, timeout=300)
     assert "Nothing to be done" in again.stdout + again.stderr
+    meta = json.loads((run_dir / "meta.json").read_text())
+
+    # An edit that changes other runs' specs re-plans, but does not retrain this run.
+    others = run_snakemake(
+        tmp_path, target, "-n", *CONFIG, "overrides=family.contrast=null", timeout=300
+    )
+    assert "rule plan:" in others.stdout and "rule train:" not in others.stdout, others.stdout
+
+    # An edit that changes its spec retrains it in the same call (Snakemake 9.27 did not, while
+    # one plan job wrote every spec and training took its spec as an ancient input).
+    edited = (*CONFIG, "overrides=family.tau=[0.3]")
+    run_snakemake(tmp_path, target, *edited, timeout=1200)
+    retrained = json.loads((run_dir / "meta.json").read_text())
+    spec = json.loads((tmp_path / "results/tiny-tpp5/plan/runs/d48-tpp5-s0.json").read_text())
+    assert spec["optim"]["tau"] == pytest.approx(0.3)
+    assert retrained["spec_hash"] != meta["spec_hash"]  # trained from the new spec, from step 1
+    assert retrained["restarts"] == [] and retrained["steps_done"] == spec["optim"]["steps"]
+    again = run_snakemake(tmp_path, target, "-n", *edited, timeout=300)
+    assert "Nothing to be done" in again.stdout + again.stderr

@@ -3,7 +3,8 @@
 ``plan_family`` is pure: from a validated ``Config`` it derives one ``RunSpec`` per run (size x
 TPP band x seed, and each sweep variant) with the scaling rules of ``collapse.scaling``, the FLOPs
 of ``collapse.flops`` and the layout of ``collapse.parallel``. ``write_plan`` writes the spec files
-(only those whose content changed, so unchanged runs never rerun), ``runs.csv`` and a report.
+(only those whose content changed; the workflow writes each in a job of its own instead),
+``runs.csv`` and a report.
 """
 
 from __future__ import annotations
@@ -605,16 +606,17 @@ def _row(spec: RunSpec, facts: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------- writing
-def write_plan(plan: Plan, out_dir: Path | None = None) -> list[str]:
+def write_plan(plan: Plan, out_dir: Path | None = None, *, specs: bool = True) -> list[str]:
     """Write specs (only changed ones), runs.csv, the resolved config and the report.
 
-    Returns the runs whose spec file changed.
+    Returns the runs whose spec file changed. ``specs=False`` leaves the spec files to the
+    workflow, which writes each in its own job so that a changed spec retrains its run at once.
     """
     layout = plan.layout
     out_dir = Path(out_dir or layout.plan_dir)
     changed = [
         spec.run
-        for spec in plan.runs
+        for spec in (plan.runs if specs else [])
         if write_if_changed(out_dir / "runs" / f"{spec.run}.json", spec.to_json())
     ]
     write_if_changed(out_dir / "config.json", _resolved_config(plan.config))
@@ -763,6 +765,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, help="plan directory (default results/<family>/plan)")
     p.add_argument("--config-dir", type=Path, default=None, help="config folder (default config/)")
     p.add_argument("--show", action="store_true", help="print the plan table")
+    p.add_argument(
+        "--no-specs",
+        dest="specs",
+        action="store_false",
+        help="write the tables and the report only, not runs/<run>.json (the workflow writes "
+        "each spec in a job of its own)",
+    )
     p.set_defaults(func=_cli)
 
 
@@ -774,9 +783,10 @@ def _cli(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    changed = write_plan(plan, args.out)
+    changed = write_plan(plan, args.out, specs=args.specs)
     out = args.out or plan.layout.plan_dir
-    print(f"planned {len(plan.runs)} runs into {out} ({len(changed)} spec files changed)")
+    specs = f"{len(changed)} spec files changed" if args.specs else "spec files not written"
+    print(f"planned {len(plan.runs)} runs into {out} ({specs})")
     for warning in plan.warnings():
         print(f"warning: {warning}", file=sys.stderr)
     if args.show:

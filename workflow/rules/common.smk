@@ -10,12 +10,14 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
+from collapse.runspec import write_if_changed
 
 
 envvars:
@@ -71,9 +73,21 @@ def spec_of(wildcards):
     return PLAN.spec(wildcards.run)
 
 
+def run_spec_sha(run):
+    """Content hash of a run's spec: its spec job's rerun trigger (and its training's)."""
+    return hashlib.sha256(PLAN.spec(run).to_json().encode()).hexdigest()[:16]
+
+
 def spec_sha(wildcards):
-    """Content hash of a run's spec: the rerun trigger (mtimes of specs are ignored)."""
-    return hashlib.sha256(spec_of(wildcards).to_json().encode()).hexdigest()[:16]
+    return run_spec_sha(wildcards.run)
+
+
+def write_spec(run, path, log):
+    """The spec file a run trains from, written whole (rule spec); the log says whether it
+    changed and its hash."""
+    changed = write_if_changed(Path(path), PLAN.spec(run).to_json())
+    state = "written" if changed else "unchanged"
+    Path(log).write_text(f"{path}: {state} (spec {run_spec_sha(run)})\n")
 
 
 def runs_in_band(band, *, reference_only=False):
@@ -99,10 +113,10 @@ def curve(run):
 
 
 def train_inputs(wildcards):
-    """The spec (content-tracked, mtime ignored), the dataset and, when monitored, the reference."""
+    """The spec (rewritten only when it changes), the dataset and, when monitored, the reference."""
     spec = spec_of(wildcards)
     inputs = {
-        "spec": ancient(str(LAYOUT.spec(wildcards.run))),
+        "spec": str(LAYOUT.spec(wildcards.run)),
         "data": multiext(str(LAYOUT.train_prefix), ".bin", ".idx"),
         "valid": multiext(str(LAYOUT.valid_prefix), ".bin", ".idx"),
     }
