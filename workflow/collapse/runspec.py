@@ -7,6 +7,7 @@ read only this file (plus the dataset it names): nothing downstream recomputes a
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Literal
@@ -195,6 +196,12 @@ class RunSpec(_Strict):
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         return cls.model_validate_json(Path(path).read_text())
+
+
+def spec_hash(spec: RunSpec) -> str:
+    """Content hash of a spec: the workflow's rerun trigger and the run's identity in its
+    checkpoints and meta.json."""
+    return hashlib.sha256(spec.to_json().encode()).hexdigest()[:16]
 
 
 def write_if_changed(path: Path, text: str) -> bool:

@@ -45,7 +45,7 @@ import torch
 
 from collapse import checkpoint
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
-from collapse.runspec import RunSpec
+from collapse.runspec import RunSpec, spec_hash
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -68,10 +68,6 @@ class TrainingError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ environment
-def spec_hash(spec: RunSpec) -> str:
-    return hashlib.sha256(spec.to_json().encode()).hexdigest()[:16]
-
-
 def trajectory_hash(spec: RunSpec) -> str:
     return hashlib.sha256(spec.trajectory_key().encode()).hexdigest()[:16]
 

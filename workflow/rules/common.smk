@@ -17,7 +17,7 @@ from snakemake.exceptions import WorkflowError
 from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
-from collapse.runspec import write_if_changed
+from collapse.runspec import spec_hash, write_if_changed
 
 
 envvars:
@@ -75,7 +75,7 @@ def spec_of(wildcards):
 
 def run_spec_sha(run):
     """Content hash of a run's spec: its spec job's rerun trigger (and its training's)."""
-    return hashlib.sha256(PLAN.spec(run).to_json().encode()).hexdigest()[:16]
+    return spec_hash(PLAN.spec(run))
 
 
 def spec_sha(wildcards):
