@@ -10,14 +10,13 @@ import os
 import re
 import shlex
 import sys
-from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
 from collapse.config import ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
-from collapse.runspec import spec_hash, write_if_changed
+from collapse.runspec import spec_hash
 
 
 envvars:
@@ -37,8 +36,10 @@ except ConfigError as err:
     raise WorkflowError(str(err)) from None
 # What the plan allows but the user should know (e.g. a size that repeats the corpus); the plan
 # report lists them too.
-for warning in PLAN.warnings():
-    print(f"warning: {warning}", file=sys.stderr)
+# Printed by the process the user started, not again by each job's own Snakemake (Slurm).
+if workflow.is_main_process:
+    for warning in PLAN.warnings():
+        print(f"warning: {warning}", file=sys.stderr)
 
 CFG = PLAN.config
 FAMILY = CFG.family
@@ -73,21 +74,14 @@ def spec_of(wildcards):
     return PLAN.spec(wildcards.run)
 
 
-def run_spec_sha(run):
-    """Content hash of a run's spec: its spec job's rerun trigger (and its training's)."""
-    return spec_hash(PLAN.spec(run))
+def spec_json(wildcards):
+    """A run's spec as its file holds it: the spec job's param, so its rerun trigger."""
+    return PLAN.spec(wildcards.run).to_json()
 
 
 def spec_sha(wildcards):
-    return run_spec_sha(wildcards.run)
-
-
-def write_spec(run, path, log):
-    """The spec file a run trains from, written whole (rule spec); the log says whether it
-    changed and its hash."""
-    changed = write_if_changed(Path(path), PLAN.spec(run).to_json())
-    state = "written" if changed else "unchanged"
-    Path(log).write_text(f"{path}: {state} (spec {run_spec_sha(run)})\n")
+    """Content hash of a run's spec: its training's rerun trigger (and meta.json's spec_hash)."""
+    return spec_hash(PLAN.spec(wildcards.run))
 
 
 def runs_in_band(band, *, reference_only=False):
