@@ -1,9 +1,15 @@
 """Fixtures shared by several test files."""
 
+import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository's config/, wherever pytest is started (a user's default is the working
+# directory's config/; tests that check that unset this).
+os.environ.setdefault("COLLAPSE_CONFIG_DIR", str(Path(__file__).resolve().parents[1] / "config"))
 
 
 @pytest.fixture(scope="module")

@@ -300,6 +300,30 @@ MALFORMED = {
         _set(["family", "sizes", 1, "name"], "d48"),
         ["duplicate size names ['d48']"],
     ),
+    "duplicate tpp band": (
+        _set(["family", "tpp"], [5.0, 5.0]),
+        ["tpp: 5 listed twice", "list each value once"],
+    ),
+    "duplicate seeds": (
+        _set(["family", "seeds"], [0, 1, 0]),
+        ["seeds: 0 listed twice"],
+    ),
+    "duplicate reference seeds": (
+        _set(["family", "reference", "seeds"], [2, 2]),
+        ["reference.seeds: 2 listed twice"],
+    ),
+    "duplicate sweep values": (
+        _set(["family", "sweeps", 0, "grid"], {"tau": [0.1, 0.2, 0.1]}),
+        ["sweeps[tau].grid.tau: 0.1 listed twice"],
+    ),
+    "duplicate sweep fractions": (
+        _set(["family", "sweeps", 0, "fractions"], [0.1, 0.1]),
+        ["sweeps[tau].fractions: 0.1 listed twice"],
+    ),
+    "data vocabulary is not the model's": (
+        _set(["family", "data", "vocab_size"], 1024),
+        ["data.vocab_size: 1024 differs from arch.vocab_size 512", "set both to one value"],
+    ),
     "batch table without batches": (
         _set(["family", "batch", "rule"], "table"),
         ["batch_seqs: missing for", "batch.rule is 'table'"],
@@ -378,3 +402,39 @@ def test_no_layout_fits_names_size_and_fix():
     )
     message = _error(raw)
     assert "slurm_h100" in message and "memory" in message.lower()
+
+
+def test_a_family_named_unlike_its_file_is_refused(tmp_path):
+    """The name is the results folder: two files with one name would overwrite each other."""
+    config = tmp_path / "config"
+    (config / "family").mkdir(parents=True)
+    (config / "cluster").mkdir()
+    repo = Path(__file__).parents[1] / "config"
+    (config / "config.yaml").write_text((repo / "config.yaml").read_text())
+    (config / "cluster/local.yaml").write_text((repo / "cluster/local.yaml").read_text())
+    (config / "family/tiny.yaml").write_text((repo / "family/tiny.yaml").read_text())
+    (config / "family/mine.yaml").write_text((repo / "family/tiny.yaml").read_text())  # tiny
+    assert load_config(["family=tiny"], config).family.name == "tiny"
+    with pytest.raises(ConfigError) as info:
+        load_config(["family=mine"], config)
+    message = str(info.value)
+    assert "family.name: 'tiny' differs from its file name 'mine'" in message
+    assert "set name: mine" in message
+    with pytest.raises(ConfigError, match="differs from its file name"):
+        load_config(["family=tiny", "family.name=other"], config)
+
+
+def test_the_config_folder_is_the_working_directorys(tmp_path, monkeypatch):
+    """Not the one beside the installed package: a second checkout plans from its own."""
+    monkeypatch.delenv("COLLAPSE_CONFIG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(["family=tiny"])
+    assert f"no config.yaml in {tmp_path / 'config'}" in str(info.value)
+    assert "--config-dir" in str(info.value) and "COLLAPSE_CONFIG_DIR" in str(info.value)
+    repo = Path(__file__).parents[1] / "config"
+    monkeypatch.setenv("COLLAPSE_CONFIG_DIR", str(repo))
+    assert load_config(["family=tiny"]).family.name == "tiny"
+    monkeypatch.delenv("COLLAPSE_CONFIG_DIR")
+    monkeypatch.chdir(repo.parent)
+    assert load_config(["family=tiny"]).family.name == "tiny"

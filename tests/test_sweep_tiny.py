@@ -14,13 +14,13 @@ pytestmark = pytest.mark.slow
 def test_tiny_tau_sweep_predicts_better_than_the_loss_now(tmp_path):
     run_snakemake(
         tmp_path,
-        "results/tiny-tpp5/sweeps/tau/metrics.csv",
+        "results/tiny_tpp5/sweeps/tau/metrics.csv",
         "--config",
         "family=tiny_tpp5",
         timeout=2400,
     )
 
-    sweep = tmp_path / "results/tiny-tpp5/sweeps/tau"
+    sweep = tmp_path / "results/tiny_tpp5/sweeps/tau"
     preds = pd.read_csv(sweep / "predictions.csv")
     assert preds.run.nunique() == 3 and set(preds.fraction) == {0.1, 0.2, 0.3}
     assert set(preds.method) == {"collapse", "current", "powerlaw"}

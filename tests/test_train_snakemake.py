@@ -13,19 +13,19 @@ CONFIG = ("--config", "family=tiny_tpp5")
 
 
 def test_a_small_size_trains_through_snakemake(tmp_path):
-    target = "results/tiny-tpp5/runs/d48-tpp5-s0/curve.parquet"
+    target = "results/tiny_tpp5/runs/d48-tpp5-s0/curve.parquet"
     run_snakemake(tmp_path, target, *CONFIG, timeout=1200)
 
-    run_dir = tmp_path / "results/tiny-tpp5/runs/d48-tpp5-s0"
-    spec = json.loads((tmp_path / "results/tiny-tpp5/plan/runs/d48-tpp5-s0.json").read_text())
+    run_dir = tmp_path / "results/tiny_tpp5/runs/d48-tpp5-s0"
+    spec = json.loads((tmp_path / "results/tiny_tpp5/plan/runs/d48-tpp5-s0.json").read_text())
     curve = pd.read_parquet(run_dir / "curve.parquet")
     assert len(curve) == spec["optim"]["steps"]
     assert curve.tokens.iloc[-1] == spec["optim"]["tokens"]
     assert curve.loss.iloc[-20:].mean() < curve.loss.iloc[:20].mean() - 1.0
     assert curve.lr.iloc[-1] < 0.02 * curve.lr.max()  # decayed to (nearly) zero
-    log = (tmp_path / "results/tiny-tpp5/logs/train/d48-tpp5-s0.log").read_text()
+    log = (tmp_path / "results/tiny_tpp5/logs/train/d48-tpp5-s0.log").read_text()
     assert "ETA" in log and "tokens/s" in log
-    assert (tmp_path / "results/tiny-tpp5/benchmarks/train/d48-tpp5-s0.tsv").is_file()
+    assert (tmp_path / "results/tiny_tpp5/benchmarks/train/d48-tpp5-s0.tsv").is_file()
 
     again = run_snakemake(tmp_path, target, "-n", *CONFIG, timeout=300)
     assert "Nothing to be done" in again.stdout + again.stderr
@@ -42,7 +42,7 @@ def test_a_small_size_trains_through_snakemake(tmp_path):
     edited = (*CONFIG, "overrides=family.tau=[0.3]")
     run_snakemake(tmp_path, target, *edited, timeout=1200)
     retrained = json.loads((run_dir / "meta.json").read_text())
-    spec = json.loads((tmp_path / "results/tiny-tpp5/plan/runs/d48-tpp5-s0.json").read_text())
+    spec = json.loads((tmp_path / "results/tiny_tpp5/plan/runs/d48-tpp5-s0.json").read_text())
     assert spec["optim"]["tau"] == pytest.approx(0.3)
     assert retrained["spec_hash"] != meta["spec_hash"]  # trained from the new spec, from step 1
     assert retrained["restarts"] == [] and retrained["steps_done"] == spec["optim"]["steps"]

@@ -8,6 +8,7 @@ plain dict; ``validate_config`` turns that dict into ``FamilySpec`` / ``ClusterS
 from __future__ import annotations
 
 import difflib
+import os
 import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,8 +24,6 @@ from pydantic import (
 
 from collapse.data import DataConfig
 from collapse.tasks import PAPER_TASKS
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -57,6 +56,16 @@ class SizeSpec(_Spec):
                 f"from {_divisors(self.d_model)} or set head_dim explicitly"
             )
         return self
+
+
+def _duplicate_problems(lists: dict[str, list]) -> list[str]:
+    problems = []
+    for field, values in lists.items():
+        dupes = sorted({v for v in values if values.count(v) > 1})
+        if dupes:
+            shown = ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in dupes)
+            problems.append(f"{field}: {shown} listed twice; list each value once")
+    return problems
 
 
 def _divisors(n: int) -> list[int]:
@@ -413,9 +422,35 @@ class FamilySpec(_Spec):
                     )
         if len({s.name for s in self.sweeps}) != len(self.sweeps):
             problems.append("sweeps: two sweeps share a name; names must be unique")
+        problems += _duplicate_problems(self.run_defining_lists())
+        if self.data.vocab_size != self.arch.vocab_size:
+            problems.append(
+                f"data.vocab_size: {self.data.vocab_size} differs from arch.vocab_size "
+                f"{self.arch.vocab_size}; the tokenizer's ids index the model's embedding rows, "
+                "so set both to one value (data.vocab_size: ${family.arch.vocab_size})"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def run_defining_lists(self) -> dict[str, list]:
+        """Every list whose values name runs: a value given twice would plan a run twice."""
+        lists = {
+            "tpp": self.tpp,
+            "seeds": self.seeds,
+            "reference.sizes": self.reference.sizes,
+            "reference.seeds": self.reference.seeds,
+        }
+        for sweep in self.sweeps:
+            lists[f"sweeps[{sweep.name}].fractions"] = sweep.fractions
+            for key, values in sweep.grid.items():
+                lists[f"sweeps[{sweep.name}].grid.{key}"] = values
+        if self.contrast is not None:
+            lists["contrast.seeds"] = self.contrast.seeds or []
+            lists["contrast.sizes"] = self.contrast.sizes or []
+        if self.faults is not None:
+            lists["faults.clean_seeds"] = self.faults.clean_seeds
+        return lists
 
     def size(self, name: str) -> SizeSpec:
         return next(s for s in self.sizes if s.name == name)
@@ -514,22 +549,55 @@ def hydra_overrides(snakemake_config: dict[str, Any]) -> list[str]:
     return out
 
 
-def compose_config(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> dict[str, Any]:
-    """Compose ``config/config.yaml`` with its groups and ``overrides``; a plain resolved dict."""
+CONFIG_DIR_ENV = "COLLAPSE_CONFIG_DIR"
+
+
+def default_config_dir() -> Path:
+    """The config folder: ``$COLLAPSE_CONFIG_DIR``, else the working directory's ``config/``.
+
+    Never the folder beside the installed package, so that a second checkout plans from its own
+    configs."""
+    given = os.environ.get(CONFIG_DIR_ENV)
+    return Path(given) if given else Path.cwd() / "config"
+
+
+def compose_config(overrides: list[str] = (), config_dir: Path | None = None) -> dict[str, Any]:
+    """Compose ``config.yaml`` with its groups and ``overrides``; a plain resolved dict.
+
+    The family's ``name`` must be its file's name: it names the results folder, so two files
+    with one name would overwrite each other's plan."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
+    config_dir = Path(config_dir) if config_dir is not None else default_config_dir()
+    if not (config_dir / "config.yaml").is_file():
+        raise ConfigError(
+            f"config folder: no config.yaml in {config_dir}; run from the workflow's folder "
+            f"(the one holding config/), pass --config-dir DIR or set {CONFIG_DIR_ENV}=DIR"
+        )
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-            cfg = compose(config_name="config", overrides=list(overrides))
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+            cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
     except HydraException as err:
-        raise ConfigError(_explain_hydra_error(err, Path(config_dir))) from None
+        raise ConfigError(_explain_hydra_error(err, config_dir)) from None
     finally:
         GlobalHydra.instance().clear()
-    return OmegaConf.to_container(cfg, resolve=True)
+    family_file = cfg.hydra.runtime.choices.get("family")
+    with open_dict(cfg):
+        del cfg["hydra"]
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    name = (raw.get("family") or {}).get("name")
+    if family_file and name is not None and name != family_file:
+        raise ConfigError(
+            f"family.name: {name!r} differs from its file name {family_file!r} "
+            f"({config_dir / 'family' / family_file}.yaml); the name is the results folder, so "
+            f"set name: {family_file} (for a variant, copy the file under a new name or pass "
+            "results=DIR)"
+        )
+    return raw
 
 
 def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
@@ -561,7 +629,7 @@ def validate_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(format_validation_error(err, raw)) from None
 
 
-def load_config(overrides: list[str] = (), config_dir: Path = CONFIG_DIR) -> Config:
+def load_config(overrides: list[str] = (), config_dir: Path | None = None) -> Config:
     return validate_config(compose_config(overrides, config_dir))
 
 

@@ -763,7 +763,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         help="Hydra overrides, e.g. family=celerity cluster=slurm_h100 family.tpp=[20]",
     )
     p.add_argument("--out", type=Path, help="plan directory (default results/<family>/plan)")
-    p.add_argument("--config-dir", type=Path, default=None, help="config folder (default config/)")
+    p.add_argument(
+        "--config-dir",
+        type=Path,
+        default=None,
+        help="config folder (default: $COLLAPSE_CONFIG_DIR, else ./config)",
+    )
     p.add_argument("--show", action="store_true", help="print the plan table")
     p.add_argument(
         "--no-specs",
@@ -776,10 +781,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
-    from collapse.config import CONFIG_DIR
-
     try:
-        plan = plan_family(load_config(args.overrides, args.config_dir or CONFIG_DIR))
+        plan = plan_family(load_config(args.overrides, args.config_dir))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -10,10 +10,11 @@ import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from collapse.config import ConfigError, hydra_overrides, load_config
+from collapse.config import CONFIG_DIR_ENV, ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
 from collapse.runspec import spec_hash
@@ -28,6 +29,10 @@ envvars:
 os.environ["PATH"] = os.pathsep.join(
     [os.path.dirname(sys.executable), os.environ["PATH"]]
 )
+
+# The workflow's own config/ (or $COLLAPSE_CONFIG_DIR), whatever the working directory; its
+# jobs' `collapse` calls inherit it.
+os.environ.setdefault(CONFIG_DIR_ENV, str(Path(workflow.basedir) / "config"))
 
 try:
     OVERRIDES = hydra_overrides(config)
