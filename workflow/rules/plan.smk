@@ -9,6 +9,8 @@ rule spec:
     log:
         f"{ROOT}/logs/plan/{{run}}.log",
     localrule: True
+    conda:
+        "../../envs/collapse.yaml"
     params:
         spec=spec_json,
     shell:
