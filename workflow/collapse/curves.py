@@ -115,7 +115,9 @@ def read_table(path: str | Path) -> pd.DataFrame:
         if ".csv" in suffixes or ".tsv" in suffixes:
             return pd.read_csv(path, sep="\t" if ".tsv" in suffixes else ",")
     except pd.errors.EmptyDataError:
-        raise V.fail("the file is empty", "give a table with a header line and rows", str(path))
+        raise V.fail(
+            "the file is empty", "give a table with a header line and rows", str(path)
+        ) from None
     except (OSError, ValueError, pd.errors.ParserError) as err:
         if not path.exists():
             raise V.fail("no such file", "check the path", str(path)) from None
@@ -124,9 +126,7 @@ def read_table(path: str | Path) -> pd.DataFrame:
             "give a well-formed CSV or Parquet file",
             str(path),
         ) from None
-    raise V.fail(
-        "unknown file type", "give a .csv, .csv.gz, .tsv or .parquet file", str(path)
-    )
+    raise V.fail("unknown file type", "give a .csv, .csv.gz, .tsv or .parquet file", str(path))
 
 
 def _expand_source(source: Path) -> tuple[list[Path], Path | None]:

@@ -201,7 +201,7 @@ def check_sorted_runs(
 def check_identity_constant(
     df: pd.DataFrame, codes: np.ndarray, names: np.ndarray, origin: Origin
 ) -> None:
-    """One size, seed, TPP, tau, ... per run: a value changing within a run is a merge gone wrong."""
+    """One size, seed, TPP, tau, ... per run: a value changing within a run is a bad merge."""
     for column in (c for c in IDENTITY_COLUMNS if c in df.columns):
         values = pd.Series(pd.factorize(df[column], use_na_sentinel=False)[0])
         per_run = values.groupby(codes).nunique()
@@ -343,6 +343,14 @@ def positive(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    value = _number(text)
+    if value != round(value) or value < 1:
+        raise _arg_error(f"{text!r}: give a whole number >= 1")
+    return int(value)
+
+
 def non_negative(text: str) -> float:
     value = _number(text)
     if not value >= 0:
@@ -365,21 +373,17 @@ def t_hat_window(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def fraction(text: str) -> float:
-    """argparse type: a fraction of training strictly inside (0, 1)."""
-    value = _number(text)
-    if not 0.0 < value < 1.0:
-        raise _arg_error(f"{text!r}: give a fraction of training between 0 and 1 (exclusive)")
-    return value
-
-
-def unique(values: Sequence[float], flag: str) -> None:
+def check_fractions(values: Sequence[float], flag: str) -> None:
+    """Fractions of training to cut at: each strictly inside (0, 1), each once."""
+    for value in values:
+        if not 0.0 < value < 1.0:
+            raise fail(
+                f"{flag} {value:g} lies outside (0, 1)",
+                f"give {flag} as fractions of training between 0 and 1 (exclusive)",
+            )
     seen = [v for i, v in enumerate(values) if v in values[:i]]
     if seen:
-        raise fail(
-            f"{flag} {seen[0]:g} is given twice",
-            f"give each {flag} once",
-        )
+        raise fail(f"{flag} {seen[0]:g} is given twice", f"give each {flag} once")
 
 
 def _number(text: str) -> float:
