@@ -90,6 +90,11 @@ class Origin:
         return text
 
 
+def show(value) -> str:
+    """A cell as the user wrote it: 0, not np.int64(0)."""
+    return repr(value.item() if isinstance(value, np.generic) else value)
+
+
 def _unparsable(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     """(numbers, mask of cells that hold something that is not a number)."""
     if pd.api.types.is_bool_dtype(column.dtype):
@@ -127,7 +132,7 @@ def check_rows(
     def bad(mask: np.ndarray, problem: str, fix: str, values: np.ndarray | None = None):
         if mask.any():
             at = np.flatnonzero(mask)
-            shown = f" ({values[at[0]]!r})" if values is not None else ""
+            shown = f" ({show(values[at[0]])})" if values is not None else ""
             raise fail(problem + shown, fix, origin.where(at, runs[at]))
 
     raw_step, raw_loss = df["step"].to_numpy(), df["loss"].to_numpy()
@@ -177,12 +182,14 @@ def check_sorted_runs(
     diverged_before = nonfinite.groupby(codes).cummax().to_numpy()
     recovered = diverged_before & np.isfinite(loss)
     if recovered.any():
-        at = np.flatnonzero(recovered)
+        after = int(np.flatnonzero(recovered)[0])
+        bad = int(np.flatnonzero((codes == codes[after]) & nonfinite.to_numpy())[0])
         raise fail(
-            "a finite loss follows an empty, NaN or infinite one in the same run",
+            f"loss is empty, NaN or infinite, yet finite losses follow (from "
+            f"{origin.row(position[after])})",
             "training does not recover from a non-finite loss: fill the missing loss, or cut "
             "the run at the step where it diverged",
-            origin.where(position[at], names[codes[at]]),
+            origin.where(position[[bad]], names[codes[[bad]]]),
         )
     finite = np.bincount(codes[np.isfinite(loss)], minlength=len(names))
     present = np.bincount(codes, minlength=len(names)) > 0
@@ -211,8 +218,8 @@ def check_identity_constant(
             first = df[column].iloc[rows[0]]
             other = rows[np.flatnonzero(values.to_numpy()[rows] != values.iloc[rows[0]])[0]]
             raise fail(
-                f"{column} changes within run {names[run]}: {first!r} at {origin.row(rows[0])}, "
-                f"{df[column].iloc[other]!r} here",
+                f"{column} changes within run {names[run]}: {show(first)} at "
+                f"{origin.row(rows[0])}, {show(df[column].iloc[other])} here",
                 f"a run has one {column}: give each setting its own run name, or fix the "
                 f"{column} column",
                 origin.row(other),
@@ -272,7 +279,7 @@ def check_meta(
         if wrong.any():
             at = np.flatnonzero(wrong)
             raise fail(
-                f"run {runs[at[0]]}: {column} {meta[column].iloc[at[0]]!r} is not a positive "
+                f"run {runs[at[0]]}: {column} {show(meta[column].iloc[at[0]])} is not a positive "
                 "number",
                 f"give {column} as a number > 0 for every run, or leave it empty",
                 origin.row(first_row[at[0]]),
@@ -305,8 +312,8 @@ def _check_duplicate_runs(meta: pd.DataFrame, first_row: np.ndarray, origin: Ori
             (meta.iloc[at][key].astype(str) == first[key].astype(str)).all(axis=1).to_numpy()
         ]
         raise fail(
-            f"runs {', '.join(map(str, same))} have the same {size} {first[size]!r} and seed "
-            f"{first['seed']!r} (and the same {', '.join(key[2:]) or 'controls'})",
+            f"runs {', '.join(map(str, same))} have the same {size} {show(first[size])} and "
+            f"seed {show(first['seed'])} (and the same {', '.join(key[2:]) or 'controls'})",
             "a seed is one run: drop the duplicate, or give it its own seed",
             origin.row(first_row[at[0]]),
         )
