@@ -63,6 +63,7 @@ def write(tmp: Path, name: str, text: str) -> str:
 def managed_out(tmp: Path, df: pd.DataFrame) -> tuple[list[str], Path]:
     """--out inside a family folder of the workflow's (it has plan/)."""
     (tmp / "results" / "tiny" / "plan").mkdir(parents=True)
+    write(tmp / "results" / "tiny" / "plan", "runs.csv", "run\n")
     out = earlier_analysis(tmp / "results" / "tiny" / "gates")
     return [csv(tmp, df), "--out", str(out)], out.parent
 
@@ -387,6 +388,13 @@ def test_rerun_leaves_no_stale_files_and_a_crash_writes_nothing(
         "curves.csv",
         "out",
     ]
+
+
+def test_out_with_a_plan_folder_is_the_workflows(family, tmp_path, capsys):
+    (tmp_path / "results" / "tiny" / "plan").mkdir(parents=True)
+    argv = ["analyze", csv(tmp_path, family), "--out", str(tmp_path / "results" / "tiny")]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and "workflow's family folder" in err
 
 
 def test_force_writes_into_a_workflow_folder_without_deleting(family, tmp_path, capsys):

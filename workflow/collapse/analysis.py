@@ -636,13 +636,18 @@ def family_statistics(
 def managed_root(path: str | Path) -> Path | None:
     """The workflow's family folder ``path`` lies in (itself or a parent), or None.
 
-    A family folder holds ``plan/`` or ``runs/<run>/curve.parquet`` (collapse.layout); its
-    reference/, collapse/ and gates/ are the workflow's outputs, which an ad-hoc analysis must
-    not replace.
+    ``path`` itself is one if it holds ``plan/``; a parent if it holds ``plan/runs.csv`` or
+    ``runs/<run>/curve.parquet`` (collapse.layout), so a stray ``plan`` folder higher up does
+    not count. Its reference/, collapse/ and gates/ are the workflow's outputs, which an
+    ad-hoc analysis must not replace.
     """
     path = Path(path).resolve()
+    if (path / "plan").is_dir():
+        return path
     for folder in (path, *path.parents):
-        if (folder / "plan").is_dir() or next(folder.glob("runs/*/curve.parquet"), None):
+        if (folder / "plan" / "runs.csv").is_file() or next(
+            folder.glob("runs/*/curve.parquet"), None
+        ):
             return folder
     return None
 
@@ -861,6 +866,20 @@ outputs in DIR: collapse.json (t_hat, delta, sigma per size, supercollapse, scor
   verdicts), reference.csv (t_hat, ell, lower, upper, seed_std, n_curves), reference.json,
   surrogate.json (Eq. 4 fit, when tau and tpp are known), delta_sigma.csv, runs.csv,
   gates/<run>.json, and the plots collapse.png, residuals.png, reference.png, gates/<run>.png.
+  They are written beside DIR first and replace it only when all are done. DIR must be new,
+  empty or an earlier analysis; a folder of the workflow's (results/<family>/...) needs --force.
+
+checks: a curve that breaks the contract above (non-numeric, zero or negative loss, a finite
+  loss after a NaN, negative, fractional or repeated steps, steps past the run's steps,
+  t_hat outside [0, 1], a size/seed/tpp/tau that changes within a run, two runs with the
+  same size and seed) is refused with the file, line, run and fix. NaN/inf from some step to
+  the end of a run is training that diverged: its gate fails.
+  Verdicts the curves cannot decide are "undetermined", with the reason: supercollapse with
+  one size or without two seeds of a size; the gate of a run with too few points in the
+  align window.
+
+exit status: 0 done; 2 bad input or flags (one "error:" line); 1 a failure inside the
+  analysis; 3 with --strict, a gate failed.
 """
 
 
