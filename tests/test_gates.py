@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from collapse import analysis as A
-from collapse.gates import GateFailed, GatePolicy, calibrate_threshold, require_passed
+from collapse.gates import GateFailed, GatePolicy, blocks, calibrate_threshold, require_passed
 from collapse.reference import reference_curve
 from collapse.surrogate import synthetic_family
 
@@ -133,11 +133,12 @@ def test_calibrated_threshold_scales_with_reference_seed_noise():
     assert 2 < t_loud / t_quiet < 4.5
 
 
-def test_partial_run_is_skipped_not_failed():
+def test_partial_run_is_undetermined_neither_passed_nor_failed():
     df = synthetic_family(SIZES, rng_seed=6)
     df = df[~((df["run"] == "s8_s0") & (df["step"] > 800))]  # stopped at t_hat 0.4
     _, _, verdicts, _ = _analyse(df)
-    assert verdicts["s8_s0"].status == "skipped" and verdicts["s8_s0"].passed
+    verdict = verdicts["s8_s0"]
+    assert verdict.status == "undetermined" and not verdict.passed and not blocks(verdict)
     stats = A.collapse_statistics(A.load_matrix(df))
     assert stats.excluded == ["s8_s0"]
 

@@ -14,16 +14,22 @@ every run's gate at once) and the entry points the Snakemake rules call, one per
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pydantic import ValidationError
 
 from collapse import curves as C
+from collapse import validate as V
 from collapse.gates import GatePolicy, GateVerdict, blocks, evaluate_gate, plot_gate
 from collapse.reference import (
     ALIGN_WINDOW,
@@ -32,6 +38,7 @@ from collapse.reference import (
     reference_curve,
 )
 from collapse.surrogate import WARMUP_FRACTION, SurrogateFit, fit_surrogate
+from collapse.validate import InputError
 
 LATE_WINDOW = (0.5, 1.0)  # PAPER.md section 2: supercollapse late in training, delta up to 0.5
 SCORE_WINDOW = (0.2, 1.0)  # the score ignores the first 20 % (as the paper's fits do)
@@ -49,13 +56,14 @@ class FamilyStats:
     delta: np.ndarray  # std/mean of ell over all sizes and seeds
     sigma: dict[str, np.ndarray]  # per size with >= 2 seeds: std/mean of L - L0 over seeds
     sigma_mean: np.ndarray  # mean of sigma over those sizes (NaN if none)
-    supercollapse: bool | None  # None: no size has two seeds, so no noise floor
+    supercollapse: bool | None  # None: undetermined (one size, or no size with two seeds)
     score: float  # mean Delta over SCORE_WINDOW: lower collapses better
     delta_over_sigma: float | None  # mean Delta/sigma_mean over the late window
     late_window: tuple[float, float]
     sizes: list[str]
     runs: list[str]
     excluded: list[str] = field(default_factory=list)  # incomplete runs: no L(T) to normalize
+    supercollapse_reason: str = ""  # why the verdict is undetermined (empty when decided)
 
     def table(self) -> pd.DataFrame:
         cols = {"t_hat": self.t_hat, "delta": self.delta}
@@ -70,6 +78,7 @@ class FamilyStats:
             "sigma": {size: values.tolist() for size, values in self.sigma.items()},
             "sigma_mean": self.sigma_mean.tolist(),
             "supercollapse": self.supercollapse,
+            "supercollapse_reason": self.supercollapse_reason or None,
             "score": self.score,
             "score_definition": f"mean Delta(t_hat) over t_hat {list(SCORE_WINDOW)}",
             "delta_over_sigma": self.delta_over_sigma,
@@ -96,15 +105,19 @@ def collapse_statistics(
     Source: PAPER.md section 2. Delta = std_{sizes,seeds}[ell] / mean[ell] (ddof 1) over the
     complete runs; sigma_size = std_seeds[L - L0] / mean_seeds[L - L0] on the raw smoothed loss.
     Supercollapse: Delta < mean sigma at >= ``supercollapse_fraction`` of the late-window
-    points (t_hat = 1 left out: there every ell is 1 by construction).
+    points (t_hat = 1 left out: there every ell is 1 by construction). Undetermined (None, with
+    ``supercollapse_reason``) where the curves cannot decide it: one size (Delta is then seed
+    noise, not a collapse across sizes) or no size with two seeds (no noise floor).
     """
     complete = np.isfinite(matrix.meta["final_loss"].to_numpy(float))
     excluded = list(matrix.meta.index[~complete])
     matrix = matrix.select(complete)
     if len(matrix.meta) < 2:
-        raise ValueError(
-            "collapse statistics need at least two complete runs (reaching t_hat 1); "
-            f"got {len(matrix.meta)}"
+        raise InputError(
+            "collapse statistics compare runs: they need at least two complete runs (reaching "
+            f"t_hat 1 with a finite loss), the curves have {len(matrix.meta)}"
+            + (f" (incomplete or diverged: {', '.join(excluded[:5])})" if excluded else "")
+            + "; give the curves of more runs, or the steps column if runs are marked partial"
         )
     ell = matrix.normalized(offset)
     labels = C.size_labels(matrix.meta).to_numpy()
@@ -118,14 +131,28 @@ def collapse_statistics(
             rows = matrix.loss[labels == size] - offset
             if len(rows) >= 2:
                 sigma[size] = np.nanstd(rows, axis=0, ddof=1) / np.nanmean(rows, axis=0)
+        reason = ""
         if sigma:
             sigma_mean = np.nanmean(np.vstack(list(sigma.values())), axis=0)
+            ratio = delta[late] / sigma_mean[late]
+            delta_over_sigma = float(np.nanmean(ratio)) if np.isfinite(ratio).any() else None
+        else:
+            sigma_mean = np.full_like(grid, np.nan)
+            delta_over_sigma = None
+        if len(sizes) < 2:
+            reason = (
+                f"one size ({sizes[0]}): Delta over one size is seed noise, not a collapse "
+                "across sizes; give runs of two or more sizes"
+            )
+        elif not sigma:
+            reason = "no size has two seeds, so there is no seed-noise floor sigma to compare with"
+        elif delta_over_sigma is None:
+            reason = f"no finite Delta/sigma in the late window t_hat {list(late_window)}"
+        if reason:
+            supercollapse = None
+        else:
             below = delta[late] < sigma_mean[late]
             supercollapse = bool(below.mean() >= supercollapse_fraction)
-            delta_over_sigma = float(np.nanmean(delta[late] / sigma_mean[late]))
-        else:  # no size has two seeds: no noise floor
-            sigma_mean = np.full_like(grid, np.nan)
-            supercollapse, delta_over_sigma = None, None
     score = float(np.nanmean(delta[_in(grid, SCORE_WINDOW, include_end=False)]))
     return FamilyStats(
         t_hat=grid,
@@ -139,6 +166,7 @@ def collapse_statistics(
         sizes=sizes,
         runs=list(matrix.meta.index),
         excluded=excluded,
+        supercollapse_reason=reason,
     )
 
 
@@ -159,6 +187,7 @@ def gate_matrix(
     ref_ell = _reference_on(matrix.grid, reference)
     residual, aligned = aligned_residuals(matrix, ref_ell, policy.align_window, offset)
     plot_paths = plot_paths or {}
+    points = matrix.meta["align_points"].to_numpy() if "align_points" in matrix.meta else None
     verdicts = [
         evaluate_gate(
             run,
@@ -169,6 +198,7 @@ def gate_matrix(
             aligned_final_loss=aligned[i],
             final_loss=matrix.meta["final_loss"].iloc[i],
             t_hat_max=matrix.meta["t_hat_max"].iloc[i],
+            align_points=int(points[i]) if points is not None else None,
             plot=plot_paths.get(run, ""),
         )
         for i, run in enumerate(matrix.meta.index)
@@ -185,13 +215,31 @@ def load_matrix(
     window_steps: int | None = None,
     window_seqs: int | None = None,
     grid: np.ndarray | None = None,
+    align_window: tuple[float, float] = ALIGN_WINDOW,
 ) -> C.CurveMatrix:
-    """Read, smooth and resample curves (see collapse.curves for the input formats)."""
+    """Read, check, smooth and resample curves (see collapse.curves for the input formats).
+
+    ``meta`` gains ``min_loss`` (smallest finite logged loss, to check an offset against) and
+    ``align_points`` (finite logged points inside ``align_window``: too few leave a gate
+    undetermined).
+    """
     if isinstance(sources, pd.DataFrame):
         meta = C.read_table(runs_csv) if isinstance(runs_csv, (str, Path)) else runs_csv
         curves = C.curves_from_frame(sources, meta)
     else:
         curves = C.read_curves(sources, runs_csv)
+    data = curves.data
+    finite = np.isfinite(data["loss"].to_numpy(float))
+    inside = finite & data["t_hat"].between(*align_window).to_numpy()
+    by_run = pd.DataFrame(
+        {"run": data["run"], "inside": inside, "loss": data["loss"].where(finite)}
+    )
+    grouped = by_run.groupby("run", observed=True, sort=False)
+    meta = curves.meta.assign(
+        min_loss=grouped["loss"].min().reindex(curves.meta.index),
+        align_points=grouped["inside"].sum().reindex(curves.meta.index).fillna(0).astype(int),
+    )
+    curves = C.Curves(data, meta)
     return C.resample(C.smooth(curves, window_steps, window_seqs), grid)
 
 
@@ -203,8 +251,8 @@ def default_reference_sizes(sizes: list[str]) -> list[str]:
 def _check_sizes(requested: Sequence[str], available: list[str]) -> list[str]:
     requested = [str(s) for s in requested]
     unknown = [s for s in requested if s not in available]
-    if unknown:
-        raise ValueError(
+    if unknown or not requested:
+        raise InputError(
             f"reference size(s) {unknown} not among the sizes in the curves {available}; "
             "give sizes exactly as they appear in the size column"
         )
@@ -353,7 +401,7 @@ def plot_residuals(
     """Every run's early-aligned residual against the threshold; failed runs in red."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    failed = [not v.passed for v in verdicts]
+    failed = [v.status in ("fail", "overridden") for v in verdicts]
     for row, bad in zip(residual, failed, strict=True):
         ax.plot(
             grid,
@@ -363,7 +411,8 @@ def plot_residuals(
             alpha=0.9 if bad else 0.5,
             zorder=3 if bad else 2,
         )
-    ax.plot([], [], color="0.55", label=f"passed ({len(failed) - sum(failed)})")
+    passed = sum(v.status == "pass" for v in verdicts)
+    ax.plot([], [], color="0.55", label=f"passed ({passed}) or undetermined")
     ax.plot([], [], color="C3", label=f"failed ({sum(failed)})")
     if verdicts:
         thr = verdicts[0].threshold
@@ -429,6 +478,11 @@ def _reference_part(matrix: C.CurveMatrix, reference_sizes: Sequence[str]) -> C.
     sizes = _check_sizes(reference_sizes, C.ordered_sizes(matrix.meta))
     part = matrix.select(labels.isin(sizes).to_numpy())
     complete = np.isfinite(part.meta["final_loss"].to_numpy(float))
+    if not complete.any():
+        raise InputError(
+            f"reference size(s) {list(sizes)} have no complete run (reaching t_hat 1 with a "
+            "finite loss); choose other --reference-sizes"
+        )
     return part.select(complete)
 
 
@@ -579,6 +633,108 @@ def family_statistics(
     return stats
 
 
+def managed_root(path: str | Path) -> Path | None:
+    """The workflow's family folder ``path`` lies in (itself or a parent), or None.
+
+    ``path`` itself is one if it holds ``plan/``; a parent if it holds ``plan/runs.csv`` or
+    ``runs/<run>/curve.parquet`` (collapse.layout), so a stray ``plan`` folder higher up does
+    not count. Its reference/, collapse/ and gates/ are the workflow's outputs, which an
+    ad-hoc analysis must not replace.
+    """
+    path = Path(path).resolve()
+    if (path / "plan").is_dir():
+        return path
+    for folder in (path, *path.parents):
+        if (folder / "plan" / "runs.csv").is_file() or next(
+            folder.glob("runs/*/curve.parquet"), None
+        ):
+            return folder
+    return None
+
+
+def _output_mode(out: Path, sources: Sequence, force: bool) -> str:
+    """How analyze may write ``out``: "replace" (the whole folder) or "merge" (file by file).
+
+    Checked before any work. Replacing drops stale files of an earlier analysis, so it is only
+    done to a new or empty folder or an earlier analysis (collapse.json); anything else needs
+    --force and is then written into, never deleted.
+    """
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is a file; give a folder")
+    root = managed_root(out)
+    if root is not None:
+        if not force:
+            raise InputError(
+                f"--out {out}: lies in the workflow's family folder {root} (it has plan/ or "
+                "runs/), whose outputs analyze would overwrite; give a folder outside it, or "
+                "--force to write there anyway"
+            )
+        return "merge"
+    earlier = not out.exists() or not any(out.iterdir()) or (out / "collapse.json").is_file()
+    if not earlier:
+        if not force:
+            raise InputError(
+                f"--out {out}: the folder holds files that are not an earlier analysis (no "
+                "collapse.json); give a new or empty folder, or --force to write beside them"
+            )
+        return "merge"
+    inside = [
+        src
+        for src in sources
+        if isinstance(src, (str, Path)) and Path(src).resolve().is_relative_to(out.resolve())
+    ]
+    if inside:
+        raise InputError(
+            f"--out {out}: holds the input {inside[0]}, which replacing the folder would "
+            "delete; give another --out"
+        )
+    return "replace"
+
+
+@contextlib.contextmanager
+def _staged(out: Path, mode: str):
+    """A fresh folder beside ``out`` to write into, moved into place only on success.
+
+    "replace": the folder replaces ``out`` (stale files vanish); "merge": its files are moved
+    into ``out`` one by one. On any error the staging folder is deleted and ``out`` is as it was.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield work
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    if mode == "merge":
+        for path in sorted(p for p in work.rglob("*") if p.is_file()):
+            target = out / path.relative_to(work)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        os.replace(out, old / "previous")
+    os.replace(work, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_offset(meta: pd.DataFrame, offset: float) -> None:
+    """L0 must lie below every loss: ell = (L - L0)/(L(T) - L0) needs L - L0 > 0."""
+    if not np.isfinite(offset):
+        raise InputError(f"--offset {offset}: give a finite number")
+    lowest = meta["min_loss"].astype(float)
+    if (lowest <= offset).any():
+        run = lowest.idxmin()
+        raise InputError(
+            f"--offset {offset:g} is not below every loss: run {run} reaches {lowest[run]:.6g}; "
+            "the irreducible loss L0 lies below the losses, so lower --offset (0 is the "
+            "paper's choice)"
+        )
+
+
 def analyze(
     sources: str | Path | Sequence[str | Path] | pd.DataFrame,
     out_dir: str | Path,
@@ -590,42 +746,75 @@ def analyze(
     window_seqs: int | None = None,
     late_window: tuple[float, float] = LATE_WINDOW,
     plots: str = "failed",
+    force: bool = False,
 ) -> dict:
     """``collapse analyze``: statistics, reference, surrogate and every run's gate in ``out_dir``.
 
     ``plots``: per-run gate plots for "failed" runs (default), "all" runs or "none"; the
     family plots (collapse.png, residuals.png, reference.png) are always written.
+    Input is checked before anything is written, and the outputs are staged beside
+    ``out_dir`` and moved into place at the end: a failed call leaves ``out_dir`` untouched, a
+    repeated one leaves no stale files. A folder of the workflow's (``managed_root``) or one
+    holding other files needs ``force`` (then files are written into it, nothing is deleted).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    listed = [sources] if isinstance(sources, (str, Path)) else sources
+    mode = _output_mode(out, [] if isinstance(sources, pd.DataFrame) else listed, force)
     policy = policy or GatePolicy()
-    matrix = load_matrix(sources, runs_csv, window_steps, window_seqs)
+    matrix = load_matrix(
+        sources, runs_csv, window_steps, window_seqs, align_window=policy.align_window
+    )
+    check_offset(matrix.meta, offset)
     sizes = C.ordered_sizes(matrix.meta)
-    reference_sizes = list(reference_sizes or default_reference_sizes(sizes))
+    reference_sizes = _check_sizes(reference_sizes or default_reference_sizes(sizes), sizes)
+    _reference_part(matrix, reference_sizes)  # a reference to build, before writing anything
+    stats = collapse_statistics(matrix, offset, late_window)
+    with _staged(out, mode) as work:
+        return _write_analysis(
+            work, out, matrix, stats, reference_sizes, offset, policy, window_steps, window_seqs,
+            plots,
+        )  # fmt: skip
+
+
+def _write_analysis(
+    work: Path,
+    out: Path,
+    matrix: C.CurveMatrix,
+    stats: FamilyStats,
+    reference_sizes: list[str],
+    offset: float,
+    policy: GatePolicy,
+    window_steps: int | None,
+    window_seqs: int | None,
+    plots: str,
+) -> dict:
+    """Every output of ``analyze`` written into ``work``; paths inside them name ``out``."""
     smoothing = {"window_steps": window_steps, "window_seqs": window_seqs}
     reference, fit, ref_summary = _build_reference(
-        matrix, reference_sizes, out, offset, policy.align_window, smoothing
+        matrix, reference_sizes, work, offset, policy.align_window, smoothing
     )
-    stats = collapse_statistics(matrix, offset, late_window)
-    stats.table().to_csv(out / "delta_sigma.csv", index=False, float_format="%.8g")
+    stats.table().to_csv(work / "delta_sigma.csv", index=False, float_format="%.8g")
 
     verdicts, residual = gate_matrix(matrix, reference, policy, offset)
-    gate_dir = out / "gates"
     plotted = {}
     for i, verdict in enumerate(verdicts):
-        if plots == "all" or (plots == "failed" and not verdict.passed):
-            png = gate_dir / f"{verdict.run}.png"
+        failed = verdict.status in ("fail", "overridden")
+        if plots == "all" or (plots == "failed" and failed):
+            png = out / "gates" / f"{verdict.run}.png"
             verdict = verdict.model_copy(
                 update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
             )
-            plot_gate(png, verdict, matrix.grid, residual[i] + reference.ell, reference)
+            plot_gate(
+                work / "gates" / png.name, verdict, matrix.grid, residual[i] + reference.ell,
+                reference,
+            )  # fmt: skip
         else:
             verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
         plotted[verdict.run] = verdict
-        verdict.write_json(gate_dir / f"{verdict.run}.json")
+        verdict.write_json(work / "gates" / f"{verdict.run}.json")
     verdicts = list(plotted.values())
-    plot_residuals(out / "residuals.png", matrix.grid, residual, verdicts)
-    plot_collapse(out / "collapse.png", matrix, stats, reference, offset)
+    plot_residuals(work / "residuals.png", matrix.grid, residual, verdicts)
+    plot_collapse(work / "collapse.png", matrix, stats, reference, offset)
 
     meta = matrix.meta.assign(
         size_label=C.size_labels(matrix.meta),
@@ -635,7 +824,7 @@ def analyze(
         max_abs_residual=[v.max_abs_residual for v in verdicts],
         first_crossing_t_hat=[v.first_crossing_t_hat for v in verdicts],
     )
-    meta.to_csv(out / "runs.csv", float_format="%.8g")
+    meta.to_csv(work / "runs.csv", float_format="%.8g")
     summary = {
         **stats.to_dict(),
         "offset": offset,
@@ -644,7 +833,8 @@ def analyze(
         "policy": policy.model_dump(mode="json"),
         "threshold": verdicts[0].threshold if verdicts else None,
         "gates": {v.run: v.model_dump(mode="json") for v in verdicts},
-        "failed_gates": [v.run for v in verdicts if not v.passed],
+        "failed_gates": [v.run for v in verdicts if v.status in ("fail", "overridden")],
+        "undetermined_gates": [v.run for v in verdicts if v.status == "undetermined"],
         "files": {
             "reference_csv": "reference.csv",
             "delta_sigma_csv": "delta_sigma.csv",
@@ -652,7 +842,7 @@ def analyze(
             "plots": ["collapse.png", "residuals.png", "reference.png"],
         },
     }
-    write_json(out / "collapse.json", summary)
+    write_json(work / "collapse.json", summary)
     return summary
 
 
@@ -676,14 +866,21 @@ outputs in DIR: collapse.json (t_hat, delta, sigma per size, supercollapse, scor
   verdicts), reference.csv (t_hat, ell, lower, upper, seed_std, n_curves), reference.json,
   surrogate.json (Eq. 4 fit, when tau and tpp are known), delta_sigma.csv, runs.csv,
   gates/<run>.json, and the plots collapse.png, residuals.png, reference.png, gates/<run>.png.
+  They are written beside DIR first and replace it only when all are done. DIR must be new,
+  empty or an earlier analysis; a folder of the workflow's (results/<family>/...) needs --force.
+
+checks: a curve that breaks the contract above (non-numeric, zero or negative loss, a finite
+  loss after a NaN, negative, fractional or repeated steps, steps past the run's steps,
+  t_hat outside [0, 1], a size/seed/tpp/tau that changes within a run, two runs with the
+  same size and seed) is refused with the file, line, run and fix. NaN/inf from some step to
+  the end of a run is training that diverged: its gate fails.
+  Verdicts the curves cannot decide are "undetermined", with the reason: supercollapse with
+  one size or without two seeds of a size; the gate of a run with too few points in the
+  align window.
+
+exit status: 0 done; 2 bad input or flags (one "error:" line); 1 a failure inside the
+  analysis; 3 with --strict, a gate failed.
 """
-
-
-def _floats(text: str) -> tuple[float, float]:
-    parts = [float(x) for x in text.split(",")]
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers, START,END")
-    return parts[0], parts[1]
 
 
 def add_cli(subparsers) -> None:
@@ -706,7 +903,7 @@ def add_cli(subparsers) -> None:
     )
     parser.add_argument(
         "--offset",
-        type=float,
+        type=V.finite,
         default=0.0,
         metavar="L0",
         help="irreducible loss L0 subtracted before normalizing (Qiu et al.); "
@@ -721,51 +918,51 @@ def add_cli(subparsers) -> None:
     smoothing = parser.add_mutually_exclusive_group()
     smoothing.add_argument(
         "--window-steps",
-        type=int,
+        type=V.positive_int,
         default=None,
         help="smoothing window in steps (default: 100, at most 2%% of a run)",
     )
     smoothing.add_argument(
         "--window-seqs",
-        type=int,
+        type=V.positive_int,
         default=None,
         help="smoothing window in sequences (needs batch_seqs per run)",
     )
     parser.add_argument(
         "--threshold",
-        type=float,
+        type=V.positive,
         default=None,
         help="fixed gate threshold on |r| (ell units); default: calibrated",
     )
     parser.add_argument(
         "--k-sigma",
-        type=float,
+        type=V.positive,
         default=GatePolicy().k_sigma,
         help="calibrated threshold = K x reference seed std (default %(default)s)",
     )
     parser.add_argument(
         "--floor",
-        type=float,
+        type=V.non_negative,
         default=GatePolicy().floor,
         help="lowest calibrated threshold (default %(default)s)",
     )
     parser.add_argument(
         "--gate-window",
-        type=_floats,
+        type=V.t_hat_window,
         default=GatePolicy().window,
         metavar="START,END",
         help="t_hat span the gate checks (default 0.2,1)",
     )
     parser.add_argument(
         "--align-window",
-        type=_floats,
+        type=V.t_hat_window,
         default=ALIGN_WINDOW,
         metavar="START,END",
         help="early-align span (default 0.25,0.5)",
     )
     parser.add_argument(
         "--late-window",
-        type=_floats,
+        type=V.t_hat_window,
         default=LATE_WINDOW,
         metavar="START,END",
         help="supercollapse span (default 0.5,1)",
@@ -779,18 +976,33 @@ def add_cli(subparsers) -> None:
     parser.add_argument(
         "--strict", action="store_true", help="exit with status 3 when a gate fails"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a folder of the workflow's (results/<family>/...) or one holding other "
+        "files; files are then written beside the ones there, nothing is deleted",
+    )
     parser.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    policy = GatePolicy(
-        k_sigma=args.k_sigma,
-        floor=args.floor,
-        threshold=args.threshold,
-        window=args.gate_window,
-        align_window=args.align_window,
-    )
-    sizes = [s.strip() for s in args.reference_sizes.split(",")] if args.reference_sizes else None
+    """Exit status: 0 done, 2 bad input or flags (one line on stderr), 3 --strict and a gate
+    blocked; a failure inside the analysis propagates (status 1, see collapse.cli)."""
+    try:
+        policy = GatePolicy(
+            k_sigma=args.k_sigma,
+            floor=args.floor,
+            threshold=args.threshold,
+            window=args.gate_window,
+            align_window=args.align_window,
+        )
+    except ValidationError as err:
+        raise InputError(err.errors()[0]["msg"]) from None
+    sizes = None
+    if args.reference_sizes is not None:
+        sizes = [s.strip() for s in args.reference_sizes.split(",") if s.strip()]
+        if not sizes:
+            raise InputError("--reference-sizes is empty: give sizes as S1,S2")
     summary = analyze(
         args.curves,
         args.out,
@@ -802,8 +1014,12 @@ def _run_cli(args: argparse.Namespace) -> int:
         window_seqs=args.window_seqs,
         late_window=args.late_window,
         plots=args.plots,
+        force=args.force,
     )
-    verdict = {True: "yes", False: "no", None: "undetermined (no seeds)"}[summary["supercollapse"]]
+    decided = {True: "yes", False: "no"}
+    verdict = decided.get(
+        summary["supercollapse"], f"undetermined ({summary['supercollapse_reason']})"
+    )
     print(
         f"{len(summary['runs'])} complete runs, sizes {summary['sizes']}, reference "
         f"{summary['reference_sizes']}"
@@ -812,12 +1028,16 @@ def _run_cli(args: argparse.Namespace) -> int:
         f"collapse score (mean Delta, t_hat >= 0.2): {summary['score']:.4f}; "
         f"supercollapse: {verdict}"
     )
+    gates = summary["gates"].values()
     failed = [summary["gates"][run] for run in summary["failed_gates"]]
+    undetermined = [summary["gates"][run] for run in summary["undetermined_gates"]]
     print(
-        f"gates: {len(summary['gates']) - len(failed)} passed, {len(failed)} failed "
-        f"(threshold {summary['threshold']:.4f})"
+        f"gates: {sum(v['status'] == 'pass' for v in gates)} passed, {len(failed)} failed, "
+        f"{len(undetermined)} undetermined (threshold {summary['threshold']:.4f})"
     )
     for v in failed:
         print(f"  FAIL {v['message']}")
+    for v in undetermined:
+        print(f"  UNDETERMINED {v['message']}")
     print(f"wrote {Path(args.out) / 'collapse.json'}")
     return 3 if args.strict and any(blocks(GateVerdict(**v)) for v in failed) else 0

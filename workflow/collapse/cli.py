@@ -3,6 +3,11 @@
 A module that owns a subcommand defines ``add_cli(subparsers)``: it adds its parser and sets
 ``func`` (a callable taking the parsed args and returning an exit code). Modules are imported
 lazily so ``collapse --help`` stays fast and ``collapse analyze`` never imports torch.
+
+Exit status, the same for every subcommand: 0 done; 2 bad usage or input (argparse's message,
+or one ``error: ...`` line for an ``InputError`` or a missing file, no traceback); 1 a failure
+inside the run (its traceback, then an ``error: ...`` line); others as a subcommand documents
+(3: a gate or check it was asked to enforce failed).
 """
 
 from __future__ import annotations
@@ -10,6 +15,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+EXIT_INPUT = 2  # bad usage or input: the user can fix it
+EXIT_FAILURE = 1  # a failure inside the run: a bug or the environment
 
 # subcommand -> module that defines add_cli(subparsers)
 SUBCOMMANDS = {
@@ -41,8 +50,18 @@ def build_parser(modules: dict[str, str] = SUBCOMMANDS) -> argparse.ArgumentPars
 
 
 def main(argv: list[str] | None = None) -> int:
+    from collapse.validate import InputError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (InputError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_INPUT
+    except Exception as err:  # noqa: BLE001 - any other failure: say so, keep the traceback
+        traceback.print_exc()
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

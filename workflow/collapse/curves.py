@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REQUIRED_COLUMNS = ("run", "step", "loss")
+from collapse import validate as V
+
+REQUIRED_COLUMNS = V.REQUIRED_COLUMNS
 # Per-step columns of the long table; any other column constant within a run is metadata.
 STEP_COLUMNS = ("run", "step", "tokens", "t_hat", "loss", "loss_smooth")
 # Metadata the analysis understands (others are carried along untouched).
@@ -104,14 +106,27 @@ class CurveMatrix:
 
 
 def read_table(path: str | Path) -> pd.DataFrame:
-    """One CSV (optionally compressed) or Parquet file as a DataFrame."""
+    """One CSV (optionally compressed) or Parquet file as a DataFrame; unreadable: InputError."""
     path = Path(path)
     suffixes = "".join(path.suffixes).lower()
-    if ".parquet" in suffixes or ".pq" in suffixes:
-        return pd.read_parquet(path)
-    if ".csv" in suffixes or ".tsv" in suffixes:
-        return pd.read_csv(path, sep="\t" if ".tsv" in suffixes else ",")
-    raise ValueError(f"{path}: unknown file type; give a .csv, .csv.gz, .tsv or .parquet file")
+    try:
+        if ".parquet" in suffixes or ".pq" in suffixes:
+            return pd.read_parquet(path)
+        if ".csv" in suffixes or ".tsv" in suffixes:
+            return pd.read_csv(path, sep="\t" if ".tsv" in suffixes else ",")
+    except pd.errors.EmptyDataError:
+        raise V.fail(
+            "the file is empty", "give a table with a header line and rows", str(path)
+        ) from None
+    except (OSError, ValueError, pd.errors.ParserError) as err:
+        if not path.exists():
+            raise V.fail("no such file", "check the path", str(path)) from None
+        raise V.fail(
+            f"cannot be read ({type(err).__name__}: {str(err).splitlines()[0]})",
+            "give a well-formed CSV or Parquet file",
+            str(path),
+        ) from None
+    raise V.fail("unknown file type", "give a .csv, .csv.gz, .tsv or .parquet file", str(path))
 
 
 def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
@@ -119,7 +134,7 @@ def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
     if source.is_file():
         return [source], None
     if not source.is_dir():
-        raise FileNotFoundError(f"{source}: no such file or directory")
+        raise V.fail("no such file or directory", "check the path", str(source))
     if (source / "curve.parquet").is_file():  # one run directory
         runs_csv = source.parent.parent / "plan" / "runs.csv"
         return [source / "curve.parquet"], runs_csv if runs_csv.is_file() else None
@@ -128,9 +143,10 @@ def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
     if not files:
         files = sorted(source.glob("**/curve.parquet"))
     if not files:
-        raise FileNotFoundError(
-            f"{source}: no curve.parquet below this directory; give curve files or a "
-            "results/<family> directory"
+        raise V.fail(
+            "no curve.parquet below this directory",
+            "give curve files or a results/<family> directory",
+            str(source),
         )
     if not runs_csv.is_file() and (source.parent / "plan" / "runs.csv").is_file():
         runs_csv = source.parent / "plan" / "runs.csv"  # results/<family>/runs was given
@@ -141,38 +157,35 @@ def read_curves(
     sources: str | Path | Sequence[str | Path],
     runs_csv: str | Path | pd.DataFrame | None = None,
 ) -> Curves:
-    """Curves from files or directories, with per-run metadata attached.
+    """Curves from files or directories, with per-run metadata attached and checked.
 
     ``sources``: CSV/Parquet files with ``run, step, loss`` (+ optional ``tokens``, ``t_hat``
     and per-run metadata columns), run directories holding ``curve.parquet``, or a
     ``results/<family>`` directory. ``runs_csv``: a table with one row per ``run`` (the plan's
     ``runs.csv``); found automatically next to a family directory when not given.
+    Input that breaks the curve contract (``collapse.validate``) raises ``InputError``.
     """
     if isinstance(sources, (str, Path)):
         sources = [sources]
-    frames, found_meta = [], []
+    files, frames, found_meta = [], [], []
     for source in sources:
-        files, meta_path = _expand_source(Path(source))
-        frames += [read_table(f) for f in files]
+        found, meta_path = _expand_source(Path(source))
+        files += found
+        frames += [read_table(f) for f in found]
         if meta_path is not None:
             found_meta.append(meta_path)
     if runs_csv is None and found_meta:
         runs_csv = found_meta[0]
+    runs_name = "runs table"
     if isinstance(runs_csv, (str, Path)):
-        runs_csv = read_table(runs_csv)
-    return curves_from_frame(pd.concat(frames, ignore_index=True), runs_csv)
+        runs_name, runs_csv = str(runs_csv), read_table(runs_csv)
+    origin = V.Origin.of_files(files, [len(f) for f in frames])
+    for path, frame in zip(files, frames, strict=True):
+        V.check_columns(frame, V.Origin.of_files([path], [len(frame)]))
+    return curves_from_frame(pd.concat(frames, ignore_index=True), runs_csv, origin, runs_name)
 
 
-def _check_columns(df: pd.DataFrame) -> None:
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(
-            f"curve table lacks column(s) {missing} (has {list(df.columns)}); a curve file needs "
-            "one row per logged step with columns run, step, loss: rename yours to these names"
-        )
-
-
-def _run_names(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+def _run_names(column: pd.Series, origin: V.Origin) -> tuple[np.ndarray, np.ndarray]:
     """(integer code per row, run names), runs numbered in order of first appearance."""
     if isinstance(column.dtype, pd.CategoricalDtype):
         codes, names = column.cat.codes.to_numpy(), column.cat.categories.astype(str).to_numpy()
@@ -180,7 +193,11 @@ def _run_names(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
         codes, names = pd.factorize(column, sort=False)
         names = pd.Index(names).astype(str).to_numpy()
     if (codes < 0).any():
-        raise ValueError("curve table has rows without a run name; fill the run column")
+        raise V.fail(
+            "the row has no run name",
+            "fill the run column on every row",
+            origin.where(np.flatnonzero(codes < 0)),
+        )
     return codes.astype(np.int64), names
 
 
@@ -200,13 +217,6 @@ def _constant_within(column: pd.Series, new_run: np.ndarray) -> bool:
     return bool(same[~new_run[1:]].all())
 
 
-def _as_float(column: pd.Series) -> np.ndarray:
-    """Loss values as floats; anything unparsable becomes NaN (and fails the gates)."""
-    if pd.api.types.is_float_dtype(column.dtype):
-        return column.to_numpy(dtype=float)
-    return pd.to_numeric(column, errors="coerce").to_numpy(dtype=float)
-
-
 def run_codes(data: pd.DataFrame, runs: Sequence[str] | pd.Index) -> np.ndarray:
     """Position in ``runs`` of every row's run (rows must be grouped in that order)."""
     column = data["run"]
@@ -215,40 +225,39 @@ def run_codes(data: pd.DataFrame, runs: Sequence[str] | pd.Index) -> np.ndarray:
     return pd.Categorical(column, categories=list(runs)).codes
 
 
-def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -> Curves:
-    """Validate a long table, split off per-run metadata, and give every row its t_hat.
+def curves_from_frame(
+    df: pd.DataFrame,
+    runs_meta: pd.DataFrame | None = None,
+    origin: V.Origin | None = None,
+    runs_name: str = "runs table",
+) -> Curves:
+    """Check a long table against the curve contract, split off per-run metadata, add t_hat.
 
     t_hat = step / full length of the run (PAPER.md section 2): taken from a ``t_hat`` column
     when present, else from a ``steps`` (total steps) metadata column, else from the run's
     largest step (then the run is assumed complete). A partial run with known length stays
     partial, so it is never normalized by a loss that is not its final one.
+    ``origin`` names the files the rows came from (for the errors of ``collapse.validate``).
     Vectorized (one factorization of the run names, integer sorts): millions of rows in seconds.
     Runs keep the order in which they first appear; ``data["run"]`` is categorical, its
     categories the run names in that order (``meta.index``).
     """
-    _check_columns(df)
-    codes, names = _run_names(df["run"])
-    step = pd.to_numeric(df["step"], errors="raise").to_numpy()
-    if not np.issubdtype(step.dtype, np.integer):
-        if not np.all(np.isfinite(step)) or not np.all(step == np.round(step)):
-            raise ValueError("column step must hold whole numbers (optimizer steps)")
-        step = step.astype(np.int64)
-    if len(step) == 0:
-        raise ValueError("curve table has no rows")
+    origin = origin or V.Origin.of_frame()
+    V.check_columns(df, origin)
+    codes, names = _run_names(df["run"], origin)
+    step, loss = V.check_rows(df, codes, names, origin)
+    V.check_identity_constant(df, codes, names, origin)
+    if "t_hat" in df.columns:
+        V.check_t_hat(df["t_hat"], codes, names, origin)
     lowest = int(step.min())
     key = codes * int(step.max() - lowest + 1) + (step - lowest)  # sorts by run, then step
     if (np.diff(key) > 0).all():
         order = None  # rows already grouped by run, steps increasing: no copy of the table
+        position = np.arange(len(key))
     else:
         order = np.argsort(key, kind="stable")
-        if (np.diff(key[order]) == 0).any():
-            first = int(order[np.flatnonzero(np.diff(key[order]) == 0)[0]])
-            raise ValueError(
-                f"curve table has duplicate (run, step) rows, e.g. run {df['run'].iloc[first]} "
-                f"step {step[first]}; keep one row per logged step (a resumed run must not "
-                "log a step twice)"
-            )
-        codes, step = codes[order], step[order]
+        codes, step, loss, position = codes[order], step[order], loss[order], order
+    V.check_sorted_runs(codes, names, step, loss, position, origin)
 
     def column(name: str) -> pd.Series:
         values = df[name].reset_index(drop=True)
@@ -266,7 +275,7 @@ def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -
     data = {
         "run": pd.Categorical.from_codes(codes, categories=names),
         "step": step,
-        "loss": _as_float(column("loss")),
+        "loss": loss,
     }
     meta = pd.DataFrame(index=pd.Index(names, name="run"))
     for name in df.columns:
@@ -279,21 +288,26 @@ def curves_from_frame(df: pd.DataFrame, runs_meta: pd.DataFrame | None = None) -
             data[name] = values.to_numpy()
     data = pd.DataFrame(data)
     if runs_meta is not None:
-        if "run" not in runs_meta.columns:
-            raise ValueError("runs table lacks column 'run'; it needs one row per run named 'run'")
-        extra = runs_meta.assign(run=runs_meta["run"].astype(str)).set_index("run")
-        extra = extra[~extra.index.duplicated()]
+        extra = V.check_runs_table(runs_meta, runs_name).set_index("run")
         meta = meta.join(extra[[c for c in extra.columns if c not in meta.columns]], how="left")
     meta.index.name = "run"
+    V.check_meta(meta, step[ends], position[starts], position[ends], origin)
 
     if "t_hat" not in data.columns or data["t_hat"].isna().all():
         if "steps" in meta.columns and meta["steps"].notna().all():
             total = meta["steps"].to_numpy(float)
         else:
             total = step[ends].astype(float)
+        if (total <= 0).any():
+            run = names[np.flatnonzero(total <= 0)[0]]
+            raise V.fail(
+                f"run {run} ends at step 0, so t_hat = step / total steps is undefined",
+                "give the run's total steps (a steps column) or log steps from 1",
+                origin.row(position[ends][np.flatnonzero(total <= 0)[0]]),
+            )
         data["t_hat"] = step / np.repeat(total, counts)
     else:
-        data["t_hat"] = data["t_hat"].astype(float)
+        data["t_hat"] = pd.to_numeric(data["t_hat"]).astype(float)
     meta["t_hat_max"] = np.fmax.reduceat(data["t_hat"].to_numpy(), starts)
     meta["complete"] = meta["t_hat_max"] >= COMPLETE_T_HAT
     return Curves(data, meta)

@@ -49,7 +49,9 @@ class GateVerdict(BaseModel):
 
     run: str
     passed: bool
-    status: str  # "pass", "fail", "overridden" (failed, not enforced) or "skipped"
+    # "pass", "fail", "overridden" (failed, not enforced) or "undetermined" (too little curve to
+    # decide: passed is False, but it blocks nothing)
+    status: str
     max_abs_residual: float | None  # max |r| over the gate window (ell units)
     at_t_hat: float | None  # where that maximum is
     residual_at_max: float | None  # signed r there: > 0 means the run is above the reference
@@ -69,6 +71,9 @@ class GateVerdict(BaseModel):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
         return path
+
+
+MIN_ALIGN_POINTS = 3  # logged points early-align needs inside its window to fix L(T)
 
 
 class GateFailed(RuntimeError):
@@ -110,12 +115,15 @@ def evaluate_gate(
     aligned_final_loss: float | None = None,
     final_loss: float | None = None,
     t_hat_max: float | None = None,
+    align_points: int | None = None,
     plot: str = "",
 ) -> GateVerdict:
     """The verdict for one run from its early-aligned residual r(t_hat) (PAPER.md section 4).
 
     A non-finite residual inside the window (a NaN or infinite loss) counts as a crossing. A run
-    that stops before the end of the align window cannot be normalized and is skipped.
+    that stops before the end of the align window, or logs fewer than ``MIN_ALIGN_POINTS``
+    points inside it (``align_points``), cannot be normalized: its verdict is "undetermined",
+    neither passed nor failed, so it is never counted as following the reference.
     """
     threshold, basis = calibrate_threshold(reference, policy)
     t_hat, residual = np.asarray(t_hat, float), np.asarray(residual, float)
@@ -133,16 +141,27 @@ def evaluate_gate(
         reference_sizes=list(reference.sizes),
         plot=str(plot),
     )
+    reason = None
     if t_end < policy.align_window[1]:
+        reason = (
+            f"the curve ends at t_hat {t_end:.3f}, before the end of the align window "
+            f"{policy.align_window[1]:g}, so it cannot be normalized yet"
+        )
+    elif align_points is not None and align_points < MIN_ALIGN_POINTS:
+        reason = (
+            f"only {align_points} logged point(s) lie in the align window t_hat "
+            f"[{policy.align_window[0]:g}, {policy.align_window[1]:g}], too few to fix its final "
+            f"loss (needs {MIN_ALIGN_POINTS}): log the loss more often"
+        )
+    if reason is not None:
         return GateVerdict(
-            passed=True,
-            status="skipped",
+            passed=False,
+            status="undetermined",
             max_abs_residual=None,
             at_t_hat=None,
             residual_at_max=None,
             first_crossing_t_hat=None,
-            message=f"{run}: not gated: the curve ends at t_hat {t_end:.3f}, before the end of "
-            f"the align window {policy.align_window[1]:g}, so it cannot be normalized yet",
+            message=f"{run}: undetermined: {reason}",
             **common,
         )
     cols = (t_hat >= lo) & (t_hat <= min(hi, t_end) + 1e-12)
@@ -193,7 +212,7 @@ def evaluate_gate(
 
 
 def blocks(verdict: GateVerdict) -> bool:
-    """Whether this verdict stops the run's downstream jobs."""
+    """Whether this verdict stops the run's downstream jobs (an undetermined one does not)."""
     return verdict.status == "fail"
 
 

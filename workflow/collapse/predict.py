@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import lsq_linear
 
+from collapse import validate as V
 from collapse.curves import (
     Curves,
     default_grid,
@@ -417,11 +418,12 @@ def add_cli(subparsers) -> None:
         nargs="+",
         required=True,
         metavar="F",
-        help="fraction(s) of each run's length to cut at, e.g. 0.1 0.2 0.3",
+        help="fraction(s) of each run's length to cut at, each in (0, 1) and given once, "
+        "e.g. 0.1 0.2 0.3",
     )
     parser.add_argument(
         "--offset",
-        type=float,
+        type=V.finite,
         default=0.0,
         metavar="L0",
         help="irreducible loss subtracted before normalizing (default 0, the paper's choice)",
@@ -438,9 +440,9 @@ def add_cli(subparsers) -> None:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    """Exit status 0, or 2 with one ``error: ...`` line for bad input or flags."""
     try:
-        for fraction in args.fraction:
-            alignment_window(fraction)
+        V.check_fractions(args.fraction, "--fraction")
         curves = smooth(read_curves(args.curves, args.runs_csv))
         if args.reference is not None:
             path = args.reference / "reference.csv" if args.reference.is_dir() else args.reference

@@ -455,7 +455,7 @@ def gates_table(gates: dict[str, dict], runs: pd.DataFrame | None) -> pd.DataFra
 def plot_gate_summary(table: pd.DataFrame) -> Figure:
     """Figure (c): max |r| over the gate window / threshold per run; 1 is the threshold."""
     ratio = (table["max_abs_residual"] / table["threshold"]).to_numpy(float)
-    colour = {"pass": "C0", "fail": "C3", "overridden": "C1", "skipped": "0.7"}
+    colour = {"pass": "C0", "fail": "C3", "overridden": "C1", "undetermined": "0.7"}
     fig = Figure(figsize=(7.5, 1.2 + 0.32 * len(table)), layout="constrained")
     ax = fig.subplots()
     y = np.arange(len(table))
