@@ -438,3 +438,24 @@ def test_the_config_folder_is_the_working_directorys(tmp_path, monkeypatch):
     monkeypatch.delenv("COLLAPSE_CONFIG_DIR")
     monkeypatch.chdir(repo.parent)
     assert load_config(["family=tiny"]).family.name == "tiny"
+
+
+def test_sizes_a_cpu_cluster_cannot_hold_or_would_train_for_days_are_warned_about():
+    """With the numbers: 16 bytes a parameter of fp32 weights, gradients and Adam's m and v
+    (activations add more), and 6ND FLOPs at the cluster's assumed throughput."""
+    tiny = plan_family(load_config(["family=tiny", "cluster.mem_gb=0.001"]))
+    [memory] = [w for w in tiny.warnings() if "mem_gb" in w]
+    for size, params in tiny.table.groupby("size").params.max().items():
+        assert f"{size} (" in memory
+        assert params * 16 / 2**30 > 0.001  # the state alone is over the limit
+    assert "mem_gb 0.001" in memory and "raise cluster.mem_gb" in memory
+    assert plan_family(load_config(["family=tiny"])).warnings() == []
+
+    ladder = plan_family(load_config(["family=ladder", "cluster=local"]))
+    [slow] = [w for w in ladder.warnings() if "more than 24 h" in w]
+    one_b = ladder.table[ladder.table["size"] == "1B"].iloc[0]
+    years = 6.0 * float(one_b.params) * float(one_b.tokens) / (1e11 * 0.25) / 3600 / (24 * 365)
+    assert years > 100 and "1B (" in slow and "years" in slow
+    assert plan_family(load_config(["family=ladder", "cluster=slurm_h100"])).warnings() == [
+        w for w in ladder.warnings() if "corpus" in w
+    ]

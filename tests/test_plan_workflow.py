@@ -72,6 +72,8 @@ def test_a_config_edit_reruns_the_spec_jobs_of_the_changed_runs_only(tmp_path):
 
 
 def test_the_plans_warnings_print_once_per_call(tmp_path):
-    out = run_snakemake(tmp_path, "-n", "--config", "family=celerity", timeout=120)
+    out = run_snakemake(
+        tmp_path, "-n", "--config", "family=celerity", "cluster=slurm_h100", timeout=120
+    )
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "seen more than once" in warnings[0], out.stderr[-2000:]

@@ -23,6 +23,7 @@ import pandas as pd
 from collapse import flops as flops_rules
 from collapse import parallel, scaling
 from collapse.config import (
+    ClusterSpec,
     Config,
     ConfigError,
     FamilySpec,
@@ -47,7 +48,7 @@ from collapse.runspec import (
     write_if_changed,
 )
 
-# The columns of runs.csv, in order (issue 2 item 5, plus what the analysis stages read).
+# The columns of runs.csv, in order (the plan report's, plus what the analysis stages read).
 RUNS_COLUMNS = [
     "run", "role", "sweep", "size", "tpp_band", "tpp", "seed", "d_model", "n_layers", "n_heads",
     "params", "params_non_embedding", "tokens", "seq_len", "batch_seqs", "steps", "lr_peak",
@@ -81,7 +82,48 @@ class Plan:
 
     def warnings(self) -> list[str]:
         """What the plan allows but a user should know before spending the compute."""
-        return repeated_data_warnings(self.table, self.config.family.data)
+        return repeated_data_warnings(self.table, self.config.family.data) + resource_warnings(
+            self.table, self.config.cluster
+        )
+
+
+# A run the local cluster would train for longer than this is worth a word before it starts.
+CPU_WALL_HOURS_WARN = 24.0
+
+
+def resource_warnings(table: pd.DataFrame, cluster: ClusterSpec) -> list[str]:
+    """Sizes a CPU cluster cannot hold in memory, or would train for days, with the numbers.
+
+    On a GPU cluster the layout search already refuses what does not fit a GPU."""
+    if cluster.accelerator != "cpu":
+        return []
+    by_size = table.groupby("size", sort=False).agg(
+        memory_gb=("memory_gb_per_gpu", "max"), wall_hours=("wall_hours", "max")
+    )
+    need = by_size.memory_gb * cluster.procs_per_run
+    out = []
+    over = need[need > cluster.mem_gb]
+    if not over.empty:
+        sizes = ", ".join(f"{size} ({gb:.3g} GB)" for size, gb in over.items())
+        out.append(
+            f"cluster {cluster.name!r} has mem_gb {cluster.mem_gb:g} per run, less than the "
+            f"estimated weights, gradients, Adam state and activations of {sizes}. Fix: raise "
+            "cluster.mem_gb, lower family.training.max_micro_batch_seqs, or plan those sizes "
+            "on a GPU cluster (cluster=slurm_h100)"
+        )
+    long = by_size.wall_hours[by_size.wall_hours > CPU_WALL_HOURS_WARN]
+    if not long.empty:
+        sizes = ", ".join(f"{size} ({_hours(h)})" for size, h in long.items())
+        out.append(
+            f"on cluster {cluster.name!r} (peak {cluster.peak_flops:.3g} FLOP/s at MFU "
+            f"{cluster.mfu:g}) one run trains for more than {CPU_WALL_HOURS_WARN:g} h: {sizes}. "
+            "Fix: plan those sizes on a GPU cluster, or drop them"
+        )
+    return out
+
+
+def _hours(h: float) -> str:
+    return f"{h:,.0f} h" if h < 24 * 365 else f"{h / (24 * 365):,.3g} years"
 
 
 def repeated_data_warnings(table: pd.DataFrame, data: DataConfig) -> list[str]:
