@@ -459,3 +459,14 @@ def test_sizes_a_cpu_cluster_cannot_hold_or_would_train_for_days_are_warned_abou
     assert plan_family(load_config(["family=ladder", "cluster=slurm_h100"])).warnings() == [
         w for w in ladder.warnings() if "corpus" in w
     ]
+
+
+def test_a_corpus_the_plan_cannot_count_is_said_not_silently_nan():
+    """Without its files (or packages) the plan cannot know the epochs: it says so and why,
+    instead of dropping the repeated-data warning."""
+    plan = plan_family(
+        load_config(["family=tiny", "family.data.sources=[{kind: files, glob: /absent/*.txt}]"])
+    )
+    [warning] = plan.warnings()
+    assert "could not be counted" in warning and "no file matches '/absent/*.txt'" in warning
+    assert plan.table.epochs.isna().all()

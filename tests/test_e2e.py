@@ -187,3 +187,40 @@ def test_snakemake_html_report_has_every_figure(smoke, tmp_path):
     text = html.read_text(errors="replace")
     for name in ("collapse_curves.png", "delta_sigma.png", "downstream_vs_flops.png"):
         assert name in text
+
+
+ANALYSIS_DIRS = (
+    "reference",
+    "gates",
+    "collapse",
+    "sweeps",
+    "faults",
+    "contrast",
+    "evals",
+    "report",
+)
+
+
+def test_removing_and_rebuilding_every_analysis_output_retrains_nothing(smoke):
+    """Analysis is downstream of training: a monitored run reads its own copy of the reference,
+    so neither removing the family's reference nor rebuilding it makes a finished run stale.
+    Last in this file: it rebuilds what the tests above read."""
+    import shutil
+
+    metas = {p: p.stat().st_mtime_ns for p in smoke.glob("runs/*/meta.json")}
+    removed = [d for d in ANALYSIS_DIRS if (smoke / d).is_dir()]
+    assert {"reference", "gates", "collapse", "evals", "report"} <= set(removed)
+    for name in removed:
+        shutil.rmtree(smoke / name)
+
+    dry = snakemake(smoke.parent.parent, "-n")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "rule reference:" in dry.stdout and "rule gate:" in dry.stdout
+    assert "rule train:" not in dry.stdout, dry.stdout[-5000:]
+
+    out = snakemake(smoke.parent.parent)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert {p: p.stat().st_mtime_ns for p in smoke.glob("runs/*/meta.json")} == metas
+    assert all((smoke / d).is_dir() for d in removed)
+    again = snakemake(smoke.parent.parent, "-n")
+    assert "Nothing to be done" in again.stdout + again.stderr

@@ -75,6 +75,12 @@ class FamilyLayout:
     def meta(self, run: str) -> Path:
         return self.run_dir(run) / "meta.json"
 
+    def monitor_reference(self, run: str) -> Path:
+        """The reference a monitored run is checked against, copied beside the run before it
+        trains (with its reference.json), so that removing or rebuilding the family's reference
+        never makes a finished run stale."""
+        return self.run_dir(run) / "reference" / "reference.csv"
+
     def monitor_log(self, run: str) -> Path:
         return self.run_dir(run) / "monitor.jsonl"
 

@@ -63,6 +63,7 @@ class Plan:
     config: Config
     runs: tuple[RunSpec, ...]
     table: pd.DataFrame  # one row per run, RUNS_COLUMNS
+    corpus_unknown: str = ""  # why the corpus could not be counted (epochs are then NaN)
 
     @property
     def layout(self) -> FamilyLayout:
@@ -82,9 +83,15 @@ class Plan:
 
     def warnings(self) -> list[str]:
         """What the plan allows but a user should know before spending the compute."""
-        return repeated_data_warnings(self.table, self.config.family.data) + resource_warnings(
-            self.table, self.config.cluster
+        corpus = (
+            [
+                "the corpus could not be counted, so the plan cannot tell whether a size sees it "
+                f"more than once (epochs are empty in runs.csv): {self.corpus_unknown}"
+            ]
+            if self.corpus_unknown
+            else repeated_data_warnings(self.table, self.config.family.data)
         )
+        return corpus + resource_warnings(self.table, self.config.cluster)
 
 
 # A run the local cluster would train for longer than this is worth a word before it starts.
@@ -372,7 +379,7 @@ def plan_run(
         ),
         monitor=Monitor(
             enabled=monitored,
-            reference_csv=str(reference_csv(layout, tpp)) if monitored else "",
+            reference_csv=str(layout.monitor_reference(name)) if monitored else "",
             every_steps=every(family.gates.monitor_every_fraction) if monitored else 0,
             stop_on_alarm=family.gates.stop_on_alarm,
         ),
@@ -423,11 +430,12 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
 
     family = cfg.family
     layout = FamilyLayout.of(family.name, cfg.results)
+    corpus_unknown = ""
     if corpus_tokens is None:
         try:
             corpus_tokens = estimate_corpus_tokens(family.data, layout.data_dir)
-        except ValueError:  # a streamed source of unknown size: epochs are not known
-            corpus_tokens = 0
+        except ValueError as err:  # a streamed source of unknown size, a package not installed
+            corpus_tokens, corpus_unknown = 0, str(err)
     runs, rows = [], []
     family_runs: dict[str, str] = {}  # outputs key -> family run
 
@@ -482,7 +490,7 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
     _check_ranges(runs)
     table = pd.DataFrame(rows, columns=RUNS_COLUMNS)
-    return Plan(config=cfg, runs=tuple(runs), table=table)
+    return Plan(config=cfg, runs=tuple(runs), table=table, corpus_unknown=corpus_unknown)
 
 
 def inherited_weight_decay(smallest: Optimization, own: Optimization, holds: HeldDecay) -> float:

@@ -119,11 +119,24 @@ def train_inputs(wildcards):
         "data": multiext(str(LAYOUT.train_prefix), ".bin", ".idx"),
         "valid": multiext(str(LAYOUT.valid_prefix), ".bin", ".idx"),
     }
-    # The reference must exist, not be older: the monitor never changes the curve (unless
-    # stop_on_alarm), so a re-built reference must not retrain the run.
+    # The run's own copy of its reference (the monitor_reference job) must exist, not be older:
+    # the monitor never changes the curve (unless stop_on_alarm), so neither a rebuilt nor a
+    # removed family reference retrains a finished run.
     if spec.monitor.enabled:
         inputs["reference"] = ancient(spec.monitor.reference_csv)
     return inputs
+
+
+def monitor_reference_inputs(wildcards):
+    """The run's spec (a changed spec copies the reference again, after it is rebuilt) and its
+    band's reference, which must only exist (a rebuild alone leaves the copy as the run saw it).
+    """
+    reference = spec_reference(wildcards.run)
+    return {
+        "spec": str(LAYOUT.spec(wildcards.run)),
+        "reference": ancient(reference),
+        "summary": ancient(str(Path(reference).with_name("reference.json"))),
+    }
 
 
 def spec_reference(run):

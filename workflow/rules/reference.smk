@@ -17,3 +17,21 @@ rule reference:
     shell:
         "collapse stage reference --runs {input.runs} --sizes {params.sizes} --band {wildcards.band}"
         " --out {params.out} {input.curves} > {log} 2>&1"
+
+
+rule monitor_reference:
+    """A monitored run's copy of its band's reference, made just before it trains: the monitor
+    reads it, and a finished run never waits on the family's reference again."""
+    input:
+        unpack(monitor_reference_inputs),
+    output:
+        reference=str(LAYOUT.monitor_reference("{run}")),
+        summary=str(LAYOUT.monitor_reference("{run}").with_name("reference.json")),
+    log:
+        f"{ROOT}/logs/reference/{{run}}.log",
+    localrule: True
+    conda:
+        "../../envs/collapse.yaml"
+    shell:
+        "cp {input.reference} {output.reference} && cp {input.summary} {output.summary}"
+        " > {log} 2>&1"
