@@ -124,12 +124,36 @@ def test_policy_overrides_threshold_enforcement_and_verdict_json(tmp_path):
     assert loose["s4_s0"].passed
 
 
+def _threshold_oracle(matrix, k_sigma: float) -> float:
+    """k_sigma x the largest pooled seed std of the early-aligned s1, s2 runs over t_hat >= 0.2.
+
+    Plain numpy: ell_ref is the mean of L / L(T); each run's L(T) is exp(mean(log L - log
+    ell_ref)) over t_hat [0.25, 0.5]; the seed std is pooled over the two sizes (2 dof each).
+    """
+    grid, loss = matrix.grid, matrix.loss
+    sizes = matrix.meta["size"].to_numpy()
+    rows = np.isin(sizes, ["s1", "s2"])
+    ref = np.mean(loss[rows] / loss[rows, -1:], axis=0)
+    cols = (grid >= 0.25) & (grid <= 0.5)
+    final = np.exp(np.mean(np.log(loss[rows][:, cols]) - np.log(ref[cols]), axis=1))
+    aligned, groups = loss[rows] / final[:, None], sizes[rows]
+    var = [aligned[groups == g].var(axis=0, ddof=1) for g in ("s1", "s2")]
+    seed_std = np.sqrt((2 * var[0] + 2 * var[1]) / 4)
+    return k_sigma * seed_std[grid >= 0.2].max()
+
+
 def test_calibrated_threshold_scales_with_reference_seed_noise():
+    """Three times the seed wiggle, about three times the threshold; each exactly 4 x seed std."""
     quiet = synthetic_family(SIZES, noise_rel=0.002, wiggle_rel=0.002, rng_seed=5)
     loud = synthetic_family(SIZES, noise_rel=0.002, wiggle_rel=0.006, rng_seed=5)
     policy = GatePolicy(floor=0.0)
-    t_quiet = calibrate_threshold(_analyse(quiet)[1], policy)[0]
-    t_loud = calibrate_threshold(_analyse(loud)[1], policy)[0]
+    thresholds = []
+    for family in (quiet, loud):
+        matrix, reference, _, _ = _analyse(family)
+        threshold = calibrate_threshold(reference, policy)[0]
+        assert threshold == pytest.approx(_threshold_oracle(matrix, 4.0), rel=1e-9)
+        thresholds.append(threshold)
+    t_quiet, t_loud = thresholds
     assert 2 < t_loud / t_quiet < 4.5
 
 

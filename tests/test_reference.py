@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from collapse import curves as C
+from collapse import surrogate
 from collapse.reference import (
     ReferenceCurve,
     early_align,
@@ -135,3 +136,68 @@ def test_surrogate_with_one_tau_holds_its_exponent(tmp_path):
     assert fit.params.b(0.2) == pytest.approx(0.12, rel=1e-3)
     back = type(fit).read_json(fit.write_json(tmp_path / "surrogate.json"))
     assert back.params == fit.params
+
+
+def _eq4_from_the_paper(t, b, q, warmup=0.1, eps1=0.001, eps2=0.1, m=0.05):
+    """Eq. 4 of the paper written out afresh, an oracle that shares no code with the product.
+
+    ((1 + eps1) / (t + eps1))^m + b (eta(t) + eps2)^q, divided by the same at t = 1, where
+    eta is the D2Z schedule at peak 1 (linear warmup, then linear to 0 at t = 1).
+    """
+    t = np.asarray(t, dtype=float)
+    eta = (1.0 - t) / (1.0 - warmup)
+    if warmup > 0:
+        eta = np.where(t < warmup, t / warmup, eta)
+
+    def raw(x, e):
+        return ((1.0 + eps1) / (x + eps1)) ** m + b * (e + eps2) ** q
+
+    return raw(t, eta) / raw(1.0, 0.0)
+
+
+T_CHECK = np.array([0.001, 0.02, 0.05, 0.0999, 0.1, 0.25, 0.5, 0.8, 0.999, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("b", "q", "warmup"),
+    [(0.13, 0.55, 0.1), (0.3, 1.2, 0.05), (1.0, 0.2, 0.2), (0.02, 2.0, 0.1), (0.5, 1.0, 0.0)],
+)
+def test_eq4_matches_the_paper_transcription(b, q, warmup):
+    """The product's Eq. 4 with its fixed constants equals eps1 0.001, eps2 0.1, m 0.05."""
+    got = eq4_ell(T_CHECK, b, q, warmup)
+    assert got == pytest.approx(_eq4_from_the_paper(T_CHECK, b, q, warmup), rel=1e-12)
+    assert got[-1] == pytest.approx(1.0, rel=1e-15)  # normalized at t_hat = 1
+
+
+def test_eq4_at_two_points_worked_by_hand():
+    """Two values from a calculator, so the oracle itself is checked too."""
+    # t 0.5, b 0.2, q 1, warmup 0.1: eta = 0.5 / 0.9; (1.001 / 0.501)^0.05 = exp(0.05 x
+    # 0.6921489) = 1.0352132; + 0.2 x (0.5556 + 0.1) = 0.1311111; / (1 + 0.2 x 0.1) = 1.02
+    assert eq4_ell(0.5, 0.2, 1.0) == pytest.approx(1.1434552456086, rel=1e-12)
+    # t 0.05 in the warmup, b 0.5, q 2: eta = 0.5; (1.001 / 0.051)^0.05 = exp(0.05 x 2.9768983)
+    # = 1.1604948; + 0.5 x 0.6^2 = 0.18; / (1 + 0.5 x 0.1^2) = 1.005
+    assert eq4_ell(0.05, 0.5, 2.0) == pytest.approx(1.3338256617510, rel=1e-12)
+    assert _eq4_from_the_paper(0.5, 0.2, 1.0) == pytest.approx(1.1434552456086, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("eps1", "eps2", "m"), [(0.001, 0.3, 0.2), (0.01, 0.1, 0.05), (0.001, 0.05, 0.1)]
+)
+def test_eq4_form_holds_for_other_constants(monkeypatch, eps1, eps2, m):
+    """With the constants changed the form still matches: none of them is hard-coded twice."""
+    monkeypatch.setattr(surrogate, "EPS1", eps1)
+    monkeypatch.setattr(surrogate, "EPS2", eps2)
+    monkeypatch.setattr(surrogate, "M_EXPONENT", m)
+    for b, q in ((0.13, 0.55), (0.4, 1.5)):
+        want = _eq4_from_the_paper(T_CHECK, b, q, 0.1, eps1=eps1, eps2=eps2, m=m)
+        assert surrogate.eq4_ell(T_CHECK, b, q) == pytest.approx(want, rel=1e-12)
+
+
+def test_eq4_broadcasts_one_curve_per_row():
+    """Column vectors of b and q give one curve per row, each the single-curve value."""
+    b, q = np.array([[0.1], [0.3]]), np.array([[0.5], [1.5]])
+    got = eq4_ell(T_CHECK, b, q)
+    assert got.shape == (2, len(T_CHECK))
+    for i in range(2):
+        want = _eq4_from_the_paper(T_CHECK, b[i, 0], q[i, 0])
+        assert got[i] == pytest.approx(want, rel=1e-12)

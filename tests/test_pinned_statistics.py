@@ -1,0 +1,299 @@
+"""Collapse statistics and gate thresholds pinned to numbers worked out by hand.
+
+The other tests check the statistics on synthetic families against loose bounds; these fix the
+exact values on a matrix small enough to compute on paper, so that a changed ddof, window,
+normalization or gate factor fails here. Every expected value is a literal with its arithmetic
+in a comment; nothing expected is computed by the code under test.
+
+The family: three sizes (s1, s2, s3) x three seeds on the t_hat grid 0.2, 0.4, 0.6, 0.8, 1.0.
+Within a size the seeds share their final loss L(T), so ell = L / L(T) is the table ``ELL``
+and the raw loss is L(T) x ELL. Windows on this grid: late window [0.5, 1) -> {0.6, 0.8};
+score window [0.2, 1) -> {0.2, 0.4, 0.6, 0.8}; align window [0.25, 0.5] -> {0.4};
+gate window [0.2, 1] -> every point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from collapse import analysis as A
+from collapse.gates import GatePolicy, calibrate_threshold, evaluate_gate
+from collapse.reference import ReferenceCurve, pooled_seed_std, reference_curve
+
+GRID = np.array([0.2, 0.4, 0.6, 0.8, 1.0])
+SIZES = ["s1", "s2", "s3"]
+FINAL = {"s1": 4.0, "s2": 3.0, "s3": 2.0}  # L(T), the same for every seed of a size
+# ell(t_hat) per run, seeds 0, 1, 2 of each size. At 0.4 every run is at 1.2, so early-align
+# (one grid point in its window) divides each run by its own L(T). Within a size the seeds at
+# 0.6 and 0.8 are mu - v, mu, mu + v: their std (ddof 1) is v.
+ELL = {
+    #        0.2    0.4     0.6    0.8   1.0
+    "s1": [
+        [1.5, 1.2, 1.097, 1.049, 1.0],  # v = 0.003 at 0.6, 0.001 at 0.8
+        [1.5, 1.2, 1.100, 1.050, 1.0],
+        [1.5, 1.2, 1.103, 1.051, 1.0],
+    ],
+    "s2": [
+        [1.5, 1.2, 1.096, 1.043, 1.0],  # v = 0.004, 0.007
+        [1.5, 1.2, 1.100, 1.050, 1.0],
+        [1.5, 1.2, 1.104, 1.057, 1.0],
+    ],
+    "s3": [
+        [1.8, 1.2, 1.095, 1.043, 1.0],  # v = 0.005, 0.007; 0.3 above the others at 0.2
+        [1.8, 1.2, 1.100, 1.050, 1.0],
+        [1.8, 1.2, 1.105, 1.057, 1.0],
+    ],
+}
+
+
+def _table(ell: dict[str, list[list[float]]], final: dict[str, list[float]]) -> pd.DataFrame:
+    """A curve table (run, step, loss, size, steps) with loss = L(T) x ell, 5 steps per run."""
+    frames = []
+    for size, rows in ell.items():
+        for seed, (row, last) in enumerate(zip(rows, final[size], strict=True)):
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "run": f"{size}_s{seed}",
+                        "step": np.arange(1, 6),
+                        "loss": last * np.asarray(row),
+                        "size": size,
+                        "steps": 5,
+                    }
+                )
+            )
+    return pd.concat(frames, ignore_index=True)
+
+
+def _matrix(ell=ELL, final=None):
+    """The real loading path, with a one-step window so smoothing leaves the values as given."""
+    final = final or {size: [FINAL[size]] * 3 for size in ell}
+    return A.load_matrix(_table(ell, final), window_steps=1, grid=GRID)
+
+
+def _approx(values):
+    return pytest.approx(values, rel=1e-9, abs=1e-12)
+
+
+# ---------------------------------------------------------------- Delta, sigma, verdict, score
+
+
+def test_delta_is_the_spread_over_every_run_of_the_normalized_curves():
+    """Delta = std over all sizes and seeds (ddof 1) / mean, per t_hat (Qiu et al. 2025)."""
+    stats = A.collapse_statistics(_matrix())
+    assert stats.t_hat == _approx(GRID)
+    assert stats.delta == _approx(
+        [
+            # 0.2: six runs at 1.5, three at 1.8: mean 1.6, squares 6 x 0.1^2 + 3 x 0.2^2
+            # = 0.18, / 8 = 0.0225, std 0.15; 0.15 / 1.6
+            0.09375,
+            0.0,  # 0.4: every run at 1.2
+            # 0.6: mean 1.1, squares 2 x (3^2 + 4^2 + 5^2) e-6 = 100e-6, / 8 = 12.5e-6,
+            # std 3.5355339e-3; / 1.1
+            0.0032141217326661,
+            # 0.8: mean 1.05, squares 2 x (1 + 49 + 49) e-6 = 198e-6, / 8 = 24.75e-6,
+            # std 4.9749372e-3; / 1.05
+            0.0047380354147934,
+            0.0,  # 1.0: ell = 1 for every run by construction
+        ]
+    )
+    assert stats.sizes == SIZES and stats.excluded == [] and len(stats.runs) == 9
+
+
+def test_sigma_per_size_is_the_relative_seed_std_of_the_raw_loss():
+    """sigma_size = std_seeds(L) / mean_seeds(L) (ddof 1); sigma_mean averages the sizes."""
+    stats = A.collapse_statistics(_matrix())
+    # same L(T) within a size, so sigma = v / mu of ell: v / 1.1 at 0.6, v / 1.05 at 0.8
+    assert stats.sigma["s1"] == _approx([0, 0, 0.003 / 1.1, 0.001 / 1.05, 0])
+    assert stats.sigma["s1"][2:4] == _approx([0.0027272727272727, 0.00095238095238095])
+    assert stats.sigma["s2"] == _approx([0, 0, 0.0036363636363636, 0.0066666666666667, 0])
+    assert stats.sigma["s3"] == _approx([0, 0, 0.0045454545454545, 0.0066666666666667, 0])
+    # (3 + 4 + 5)e-3 / 3 / 1.1 = 0.004 / 1.1; (1 + 7 + 7)e-3 / 3 / 1.05 = 0.005 / 1.05
+    assert stats.sigma_mean == _approx([0, 0, 0.0036363636363636, 0.0047619047619048, 0])
+
+
+def test_delta_over_sigma_supercollapse_and_score():
+    """Late window {0.6, 0.8}: Delta below sigma at both points is supercollapse."""
+    stats = A.collapse_statistics(_matrix())
+    # 0.6: 3.5355339e-3 / 4e-3 = 0.88388348; 0.8: 4.9749372e-3 / 5e-3 = 0.99498744 (the 1.1
+    # and 1.05 cancel); mean of the two
+    assert stats.delta_over_sigma == pytest.approx(0.93943545679490, rel=1e-9)
+    assert stats.supercollapse is True  # 2 of 2 late points below sigma, >= 90 %
+    # mean Delta over {0.2, 0.4, 0.6, 0.8}: (0.09375 + 0 + 0.0032141217 + 0.0047380354) / 4
+    assert stats.score == pytest.approx(0.025425539286865, rel=1e-9)
+    assert stats.late_window == (0.5, 1.0)
+
+
+def test_a_size_off_the_curve_late_is_no_supercollapse():
+    """s3 0.015 high at t_hat 0.8: Delta passes sigma there, half the late window is not 90 %."""
+    late = [1.058, 1.065, 1.072]  # s3's 1.043, 1.05, 1.057 at 0.8, moved up by 0.015
+    ell = {**ELL, "s3": [row[:3] + [x, 1.0] for row, x in zip(ELL["s3"], late, strict=True)]}
+    stats = A.collapse_statistics(_matrix(ell))
+    # 0.8: six runs around 1.05, three around 1.065: mean 1.055; squares 6 x 0.005^2 +
+    # 3 x 0.01^2 (sizes) + 198e-6 (seeds) = 648e-6, / 8 = 81e-6, std 0.009; 0.009 / 1.055
+    assert stats.delta[3] == pytest.approx(0.0085308056872038, rel=1e-9)
+    # sigma_s3 = 0.007 / 1.065; mean with 0.001 / 1.05 and 0.007 / 1.05
+    assert stats.sigma_mean[3] == pytest.approx(0.0047306058573664, rel=1e-9)
+    # (0.88388348 + 0.0085308057 / 0.0047306059 = 1.8033220) / 2
+    assert stats.delta_over_sigma == pytest.approx(1.3436027457762, rel=1e-9)
+    assert stats.supercollapse is False  # 1 of 2 late points below sigma: 50 % < 90 %
+    assert A.collapse_statistics(_matrix(ell), supercollapse_fraction=0.5).supercollapse is True
+    # (0.09375 + 0 + 0.0032141217 + 0.0085308057) / 4
+    assert stats.score == pytest.approx(0.026373731854967, rel=1e-9)
+
+
+def test_seeds_that_differ_only_in_scale_collapse_but_keep_their_raw_noise():
+    """sigma is measured on the raw loss: seeds scaled by +-2.5 % have sigma 0.025, Delta 0."""
+    same = [1.5, 1.2, 1.1, 1.05, 1.0]
+    ell = {size: [same] * 3 for size in SIZES}
+    final = {"s1": [3.9, 4.0, 4.1], "s2": [2.97, 3.0, 3.03], "s3": [1.98, 2.0, 2.02]}
+    stats = A.collapse_statistics(_matrix(ell, final))
+    assert stats.delta == _approx([0, 0, 0, 0, 0])
+    assert stats.sigma["s1"] == _approx([0.025] * 5)  # 0.1 / 4.0 at every t_hat
+    assert stats.sigma["s2"] == _approx([0.01] * 5)  # 0.03 / 3.0
+    assert stats.sigma_mean == _approx([0.015] * 5)  # (0.025 + 0.01 + 0.01) / 3
+    assert stats.supercollapse is True and stats.delta_over_sigma == _approx(0.0)
+    # with L0 = 1 the noise floor at t_hat 1 is std(L(T)) / mean(L(T) - 1)
+    with_offset = A.collapse_statistics(_matrix(ell, final), offset=1.0)
+    last = [with_offset.sigma[size][-1] for size in SIZES]
+    assert last == _approx([0.1 / 3.0, 0.03 / 2.0, 0.02 / 1.0])
+    # ell = (L - 1) / (L(T) - 1) at t_hat 0.4 for s3: (1.2 x 1.98 - 1) / 0.98 = 1.4040816,
+    # (1.2 x 2 - 1) / 1 = 1.4, (1.2 x 2.02 - 1) / 1.02 = 1.3960784
+    ell_04 = _matrix(ell, final).normalized(1.0)[6:, 1]
+    assert ell_04 == _approx([1.4040816326531, 1.4, 1.3960784313725])
+
+
+# ---------------------------------------------------------------- seed noise and gate threshold
+
+
+def test_pooled_seed_std_weights_groups_by_their_degrees_of_freedom():
+    """sqrt(sum (n_g - 1) var_g / sum (n_g - 1)), per column, groups of one left out."""
+    nan = np.nan
+    values = np.array(
+        [
+            [0.0, 0.0, nan],  # group a
+            [2.0, nan, nan],  # group a
+            [4.0, 4.0, 5.0],  # group a
+            [0.0, 1.0, nan],  # group b
+            [2.0, 1.0, 3.0],  # group b
+            [100.0, 100.0, 1.0],  # group c: one member, no seed noise
+        ]
+    )
+    groups = np.array(["a", "a", "a", "b", "b", "c"])
+    got = pooled_seed_std(values, groups)
+    # column 0: a (0, 2, 4) var 4 with 2 dof, b (0, 2) var 2 with 1 dof: sqrt((8 + 2) / 3)
+    # column 1: a (0, 4) var 8 with 1 dof, b (1, 1) var 0 with 1 dof: sqrt((8 + 0) / 2) = 2
+    # column 2: no group has two finite values
+    assert got[:2] == _approx([1.8257418583505538, 2.0])
+    assert np.isnan(got[2])
+
+
+def test_reference_mean_band_and_seed_noise():
+    """The reference of s1 and s2: the mean ell, mean +- 2 std, and the pooled seed std."""
+    matrix = _matrix()
+    ref = reference_curve(matrix.select(matrix.meta["size"].isin(["s1", "s2"]).to_numpy()))
+    assert ref.ell == _approx([1.5, 1.2, 1.1, 1.05, 1.0])
+    # std over the six runs (ddof 1): 0.6: 2 x (9 + 16)e-6 / 5 = 10e-6 -> 3.1622777e-3;
+    # 0.8: 2 x (1 + 49)e-6 / 5 = 20e-6 -> 4.4721360e-3
+    assert ref.upper == _approx([1.5, 1.2, 1.1063245553203, 1.0589442719100, 1.0])
+    assert ref.lower == _approx([1.5, 1.2, 1.0936754446797, 1.0410557280900, 1.0])
+    # pooled within size (2 dof each): 0.6: sqrt((3^2 + 4^2) / 2) e-3; 0.8: sqrt((1 + 49) / 2)
+    # e-3 = 5e-3 (not the mean of the two stds, 4e-3)
+    assert ref.seed_std == _approx([0, 0, 0.0035355339059327, 0.005, 0])
+    assert ref.sizes == ["s1", "s2"] and ref.n_curves.tolist() == [6] * 5
+
+
+def _reference() -> ReferenceCurve:
+    matrix = _matrix()
+    return reference_curve(matrix.select(matrix.meta["size"].isin(["s1", "s2"]).to_numpy()))
+
+
+def test_calibrated_threshold_is_k_sigma_times_the_largest_seed_std():
+    """4 x 0.005 = 0.02; below the floor the floor; a fixed threshold replaces both."""
+    reference = _reference()
+    assert GatePolicy().k_sigma == 4.0 and GatePolicy().floor == 0.005
+    threshold, basis = calibrate_threshold(reference, GatePolicy())
+    assert threshold == pytest.approx(0.02, rel=1e-9)  # 4 x max(0, 0, 3.54e-3, 5e-3, 0)
+    assert basis == "4 x reference seed std 0.005"
+    assert calibrate_threshold(reference, GatePolicy(k_sigma=2.5))[0] == pytest.approx(0.0125)
+    threshold, basis = calibrate_threshold(reference, GatePolicy(k_sigma=0.5))
+    assert threshold == 0.005 and basis.startswith("floor 0.005")  # 0.5 x 0.005 = 0.0025
+    assert calibrate_threshold(reference, GatePolicy(k_sigma=0.5, floor=0.0))[0] == (
+        pytest.approx(0.0025)
+    )
+    # only the gate window counts: leaving out t_hat 0.8 leaves 4 x 3.5355339e-3
+    narrow = GatePolicy(window=(0.2, 0.7))
+    assert calibrate_threshold(reference, narrow)[0] == pytest.approx(0.014142135623731)
+    assert calibrate_threshold(reference, GatePolicy(threshold=0.03))[0] == 0.03
+
+
+def test_threshold_without_seed_noise_is_the_floor():
+    """A reference with one seed per size has no seed std: the floor alone."""
+    nan = np.full(5, np.nan)
+    one_seed = ReferenceCurve(GRID, np.ones(5), np.ones(5), np.ones(5), nan, np.ones(5))
+    threshold, basis = calibrate_threshold(one_seed, GatePolicy())
+    assert threshold == 0.005 and "no seed noise" in basis
+
+
+# ---------------------------------------------------------------- gate verdicts at the edge
+
+
+def _probes(at_08: dict[str, float]) -> A.C.CurveMatrix:
+    """Runs on the reference except at t_hat 0.8, with L(T) = 2.5 (early-align finds it)."""
+    ell = {name: [[1.5, 1.2, 1.1, x, 1.0]] for name, x in at_08.items()}
+    frame = _table(ell, {name: [2.5] for name in at_08})
+    frame["run"] = frame["size"]  # one run per probe, named as given
+    return A.load_matrix(frame, window_steps=1, grid=GRID)
+
+
+def test_gate_passes_just_inside_the_threshold_and_fails_just_outside():
+    """Threshold 0.02: r = +0.0195 passes, +0.0205 and -0.0205 fail at t_hat 0.8."""
+    probes = _probes({"inside": 1.0695, "outside": 1.0705, "below": 1.0295})
+    verdicts, residual = A.gate_matrix(probes, _reference(), GatePolicy())
+    got = {v.run: v for v in verdicts}
+    assert residual.ravel() == _approx(
+        [0, 0, 0, 0.0195, 0] + [0, 0, 0, 0.0205, 0] + [0, 0, 0, -0.0205, 0]
+    )
+    inside, outside, below = got["inside"], got["outside"], got["below"]
+    assert inside.passed and inside.status == "pass"
+    assert inside.threshold == pytest.approx(0.02, rel=1e-9)
+    assert inside.max_abs_residual == pytest.approx(0.0195, rel=1e-9)
+    assert inside.at_t_hat == 0.8 and inside.first_crossing_t_hat is None
+    assert inside.aligned_final_loss == pytest.approx(2.5, rel=1e-12)  # 3.0 / 1.2
+    for verdict, sign in ((outside, 1), (below, -1)):
+        assert not verdict.passed and verdict.status == "fail"
+        assert verdict.first_crossing_t_hat == 0.8
+        assert verdict.residual_at_max == pytest.approx(sign * 0.0205, rel=1e-9)
+    assert "runs above it" in outside.message and "runs below it" in below.message
+    # at the floor (k_sigma 0.5: 0.0025 < 0.005) the inside run fails too
+    floor, _ = A.gate_matrix(probes, _reference(), GatePolicy(k_sigma=0.5))
+    assert [v.passed for v in floor] == [False, False, False]
+    assert floor[0].threshold == 0.005
+
+
+def test_a_residual_exactly_at_the_threshold_passes():
+    """The gate fails on |r| > threshold: |r| = threshold passes, the next float up fails."""
+    policy = GatePolicy(threshold=0.02)
+    at = np.array([0.0, 0.0, 0.0, 0.02, -0.02])
+    verdict = evaluate_gate("edge", GRID, at, _reference(), policy)
+    assert verdict.passed and verdict.max_abs_residual == 0.02
+    over = at.copy()
+    over[3] = np.nextafter(0.02, 1.0)
+    verdict = evaluate_gate("over", GRID, over, _reference(), policy)
+    assert not verdict.passed and verdict.first_crossing_t_hat == 0.8
+
+
+def test_gate_of_the_family_flags_the_size_off_the_curve_early():
+    """s3 is 0.3 above the reference at t_hat 0.2; s1 and s2 stay within 0.007 of it."""
+    verdicts, _ = A.gate_matrix(_matrix(), _reference(), GatePolicy())
+    got = {v.run: v for v in verdicts}
+    for seed in range(3):
+        s3 = got[f"s3_s{seed}"]
+        assert not s3.passed and s3.first_crossing_t_hat == 0.2
+        assert s3.max_abs_residual == pytest.approx(0.3, rel=1e-9)  # 1.8 - 1.5
+    assert all(got[f"{size}_s{seed}"].passed for size in ("s1", "s2") for seed in range(3))
+    # the largest clean residual: s2's seeds at 0.8, 1.05 -+ 0.007
+    assert got["s2_s2"].max_abs_residual == pytest.approx(0.007, rel=1e-9)
+    assert got["s2_s0"].residual_at_max == pytest.approx(-0.007, rel=1e-9)
