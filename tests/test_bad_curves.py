@@ -349,7 +349,7 @@ def test_run_with_too_few_points_is_undetermined_not_passed(family, tmp_path, ca
     summary, printed = analyze(tmp_path, df, capsys)
     gate = summary["gates"]["s2_s1"]
     assert gate["status"] == "undetermined" and gate["passed"] is False
-    assert "0 logged point(s) lie in the align window" in gate["message"]
+    assert "0 logged points lie in the align window" in gate["message"]
     assert summary["undetermined_gates"] == ["s2_s1"] and "s2_s1" not in summary["failed_gates"]
     assert "3 passed, 0 failed, 1 undetermined" in printed
 

@@ -73,7 +73,7 @@ class GateVerdict(BaseModel):
         return path
 
 
-MIN_ALIGN_POINTS = 3  # logged points early-align needs inside its window to fix L(T)
+MIN_ALIGN_POINTS = 1  # early-align fixes L(T) from the logged points inside its window
 
 
 class GateFailed(RuntimeError):
@@ -149,9 +149,9 @@ def evaluate_gate(
         )
     elif align_points is not None and align_points < MIN_ALIGN_POINTS:
         reason = (
-            f"only {align_points} logged point(s) lie in the align window t_hat "
-            f"[{policy.align_window[0]:g}, {policy.align_window[1]:g}], too few to fix its final "
-            f"loss (needs {MIN_ALIGN_POINTS}): log the loss more often"
+            f"{align_points} logged points lie in the align window t_hat "
+            f"[{policy.align_window[0]:g}, {policy.align_window[1]:g}], so nothing fixes its final "
+            "loss: log the loss more often"
         )
     if reason is not None:
         return GateVerdict(
