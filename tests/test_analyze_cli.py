@@ -8,12 +8,12 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from synthetic import synthetic_family
 
 from collapse import analysis as A
 from collapse.cli import main
 from collapse.gates import GatePolicy, GateVerdict
 from collapse.layout import FamilyLayout
-from collapse.surrogate import synthetic_family
 
 SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8, "s8": 2.5}
 

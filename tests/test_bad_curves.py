@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from synthetic import synthetic_family
 
 from collapse import analysis as A
 from collapse.cli import main
-from collapse.surrogate import synthetic_family
 
 STEPS = 200
 

@@ -32,13 +32,19 @@ from collapse.data import (
     VALID_PREFIX_NAME,
     DataConfig,
     DatasetError,
+    DataSummary,
     build_dataset,
     estimate_corpus_tokens,
     load_data_config,
-    read_summary,
     verify_dataset,
 )
 from collapse.tokenizer import EOD_ID, load_tokenizer
+
+
+def read_summary(out_dir: Path) -> DataSummary:
+    """meta.json of a built dataset."""
+    return DataSummary.model_validate_json((Path(out_dir) / META_NAME).read_text())
+
 
 SMALL = dict(vocab_size=512, max_corpus_bytes=300_000, valid_fraction=0.05, seed=7)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from synthetic import synthetic_family
 from test_train_support import tiny_spec
 
 from collapse import analysis as A
@@ -15,7 +16,6 @@ from collapse.detect import collapse_alarm, outcome, rise_alarm, run_experiment,
 from collapse.gates import GatePolicy
 from collapse.reference import reference_curve
 from collapse.runspec import FaultInjection
-from collapse.surrogate import synthetic_family
 
 RNG = np.random.default_rng(0)
 

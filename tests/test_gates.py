@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from synthetic import synthetic_family
 
 from collapse import analysis as A
 from collapse.gates import GateFailed, GatePolicy, blocks, calibrate_threshold, require_passed
 from collapse.reference import reference_curve
-from collapse.surrogate import synthetic_family
 
 SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8, "s8": 2.5}  # final losses; s1, s2 are the reference
 UNRESCALED_TAU = {"s1": 0.2, "s2": 0.1, "s4": 0.05, "s8": 0.025}  # lambda kept, tau falls

@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
+from synthetic import synthetic_family
 
 from collapse import analysis as A
 from collapse.monitor import OnlineMonitor
 from collapse.runspec import RunSpec
 from collapse.scaling import lr_at
-from collapse.surrogate import synthetic_family
 
 SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8, "s8": 2.5}
 STEPS = 2000

@@ -32,7 +32,6 @@ REQUIRED_COLUMNS = V.REQUIRED_COLUMNS
 # Per-step columns of the long table; any other column constant within a run is metadata.
 STEP_COLUMNS = ("run", "step", "tokens", "t_hat", "loss", "loss_smooth")
 # Metadata the analysis understands (others are carried along untouched).
-META_COLUMNS = ("size", "params", "tpp", "tau", "schedule", "seed", "steps", "batch_seqs")
 # A run counts as complete when its last point reaches this fraction of its full length.
 COMPLETE_T_HAT = 1.0 - 1e-3
 # Paper (PAPER.md section 2): moving average over 100 steps; capped for short runs (below).

@@ -275,11 +275,6 @@ def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
     return summary
 
 
-def read_summary(out_dir: Path) -> DataSummary:
-    """meta.json of a built dataset."""
-    return DataSummary.model_validate_json((Path(out_dir) / META_NAME).read_text())
-
-
 def estimate_bytes_per_token(vocab_size: int) -> float:
     """Bytes per token at a vocabulary size: log-linear in the vocabulary between measurements."""
     vocabs = np.log2(list(BYTES_PER_TOKEN_BY_VOCAB))

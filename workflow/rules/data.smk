@@ -17,6 +17,6 @@ rule data:
         runtime=60,
     params:
         out=lambda wc, output: os.path.dirname(output.meta),
-        data_sha=hashlib.sha256(FAMILY.data.model_dump_json().encode()).hexdigest()[:16],
+        data_sha=FAMILY.data.fingerprint(),
     shell:
         "collapse data --config {input.config} --out {params.out} > {log} 2>&1"
