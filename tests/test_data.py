@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from collapse import cli
+from collapse import cli, corpus
 from collapse.corpus import (
     PackageSource,
     SourceError,
@@ -315,7 +315,7 @@ def _corpus(sources, max_corpus_bytes=None):
     )
 
 
-def test_unreadable_sources_name_the_source_and_fix(tmp_path):
+def test_unreadable_sources_name_the_source_and_fix(tmp_path, monkeypatch):
     def corpus_of(source):
         return _corpus([source])
 
@@ -326,17 +326,20 @@ def test_unreadable_sources_name_the_source_and_fix(tmp_path):
     cfg = DataConfig(sources=[{"kind": "jsonl", "path": str(tmp_path / "r.jsonl")}])
     with pytest.raises(SourceError, match=r"r.jsonl:1 .*field 'text'"):
         corpus_of(cfg.sources[0])
-    if not Path("/usr/share/games/fortunes").exists():
-        cfg = DataConfig(sources=[{"kind": "debian", "name": "fortunes"}])
-        with pytest.raises(SourceError, match="apt-get install fortunes"):
-            corpus_of(cfg.sources[0])
+    # The Debian package absent (its files looked for where nothing is, installed or not here):
+    monkeypatch.setitem(corpus.DEBIAN_FILES, "fortunes", str(tmp_path / "absent" / "*"))
+    cfg = DataConfig(sources=[{"kind": "debian", "name": "fortunes"}])
+    with pytest.raises(SourceError, match="apt-get install fortunes"):
+        corpus_of(cfg.sources[0])
 
 
 def test_huggingface_source_fails_clearly_offline(monkeypatch):
-    from collapse.corpus import _hub_reachable
+    from functools import partial
 
-    if _hub_reachable():
-        pytest.skip("the Hugging Face Hub is reachable here")
+    from collapse import corpus
+
+    # An unreachable hub, whatever this machine can reach: the probe asks a closed local port.
+    monkeypatch.setattr(corpus, "_hub_reachable", partial(corpus._hub_reachable, "127.0.0.1"))
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     cfg = DataConfig(sources=[{"kind": "huggingface", "name": "roneneldan/TinyStories"}])

@@ -280,7 +280,7 @@ def test_lr_at_by_hand():
 
 
 def test_lr_at_matches_megatron_scheduler():
-    torch = pytest.importorskip("torch")
+    import torch
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
