@@ -291,3 +291,54 @@ def test_a_tensor_parallel_checkpoint_loads_resharded(trained, loaded):
     assert _valid_loss_as_training_measures_it(resharded, spec_tp2) == pytest.approx(
         meta["final_valid_loss"], abs=1e-4
     )
+
+
+def _failed_gate(path: Path, *, enforce: bool) -> Path:
+    """A real verdict of a run whose residual leaves the threshold at t_hat 0.6."""
+    import numpy as np
+
+    from collapse.gates import GatePolicy, evaluate_gate
+    from collapse.reference import ReferenceCurve
+
+    t_hat = np.linspace(0.01, 1.0, 100)
+    reference = ReferenceCurve(
+        t_hat=t_hat,
+        ell=np.ones_like(t_hat),
+        lower=np.ones_like(t_hat),
+        upper=np.ones_like(t_hat),
+        seed_std=np.full_like(t_hat, 0.002),
+        n_curves=np.full_like(t_hat, 3),
+        sizes=["d32"],
+    )
+    residual = np.where(t_hat >= 0.6, 0.05, 0.0)
+    verdict = evaluate_gate(
+        "tiny", t_hat, residual, reference, GatePolicy(enforce=enforce), align_points=25
+    )
+    assert not verdict.passed and verdict.first_crossing_t_hat == pytest.approx(0.6, abs=0.01)
+    path.write_text(verdict.model_dump_json())
+    return path
+
+
+def test_a_failed_gate_blocks_evaluation_and_allow_fail_lets_it_through(
+    trained, tmp_path: Path, monkeypatch, capsys
+):
+    """The evaluate stage refuses a run whose gate failed (exit 3, the gate's message, nothing
+    written); a failure the family allows (gates.allow_fail: recorded, not enforced) is
+    evaluated."""
+    from collapse.cli import main as collapse
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    spec_path, spec = trained
+    out = tmp_path / "evals" / "tiny.json"
+    stage = ["stage", "evaluate", "--spec", str(spec_path), "--limit", "1", "--tasks", "piqa"]
+
+    blocked = _failed_gate(tmp_path / "blocked.json", enforce=True)
+    assert collapse([*stage, "--gate", str(blocked), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "collapse gate failed: tiny" in err and "allow_fail" in err
+    assert not out.exists()
+
+    allowed = _failed_gate(tmp_path / "allowed.json", enforce=False)
+    assert collapse([*stage, "--gate", str(allowed), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["run"] == "tiny" and set(results["tasks"]) == {"piqa"}
