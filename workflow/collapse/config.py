@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -24,12 +25,13 @@ from pydantic import (
 
 from collapse.data import DataConfig
 from collapse.tasks import PAPER_TASKS
+from collapse.validate import InputError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A family or cluster spec that cannot be planned; the message names each field and a fix."""
 
 
@@ -583,6 +585,8 @@ def compose_config(overrides: list[str] = (), config_dir: Path | None = None) ->
             cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
     except HydraException as err:
         raise ConfigError(_explain_hydra_error(err, config_dir)) from None
+    except yaml.YAMLError as err:  # the message names the file, line and column
+        raise ConfigError(f"config file is not valid YAML: {err}; fix the syntax there") from None
     finally:
         GlobalHydra.instance().clear()
     family_file = cfg.hydra.runtime.choices.get("family")
