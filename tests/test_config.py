@@ -430,6 +430,10 @@ def test_a_family_in_a_sub_folder_is_named_by_its_file_stem():
     and so its results folder, stays tiny_tpp5."""
     assert "experiments/tiny_tpp5" in config_options(Path(__file__).parents[1] / "config", "family")
     assert load_config(["family=experiments/tiny_tpp5"]).family.name == "tiny_tpp5"
+    with pytest.raises(
+        ConfigError, match=r"'tiny_tpp5' \(did you mean 'experiments/tiny_tpp5'\?\)"
+    ):
+        load_config(["family=tiny_tpp5"])
     with pytest.raises(ConfigError, match=r"differs from its file name 'tiny_tpp5'"):
         load_config(["family=experiments/tiny_tpp5", "family.name=other"])
 

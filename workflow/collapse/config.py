@@ -614,8 +614,11 @@ def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
         if marker in text and "Could not find" in text:
             name = text.split(marker, 1)[1].split("'", 1)[0]
             options = config_options(config_dir, group)
+            # a family moved into a sub-folder is suggested by its file name first
+            moved = [o for o in options if o.rsplit("/", 1)[-1] == name]
+            hint = f" (did you mean {moved[0]!r}?)" if moved else _did_you_mean(name, options)
             return (
-                f"{group}: no config named {name!r}{_did_you_mean(name, options)}; "
+                f"{group}: no config named {name!r}{hint}; "
                 f"available: {', '.join(options)} (files in {config_dir / group})"
             )
     if text.startswith("Could not override '"):
