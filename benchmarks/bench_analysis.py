@@ -1,6 +1,6 @@
 """Benchmark (prints): reference + gates + Delta/sigma for 600 curves of 20k steps each.
 
-Target (issue 4): under 10 s on the 2-core development machine, vectorized. The synthetic
+Target: under 10 s on the 2-core development machine, vectorized. The synthetic
 family (10 sizes x 60 seeds, Eq. 4 curves with noise) is built first and not timed; the timed
 part is what ``collapse analyze`` does short of writing plots: validate the long table and
 split its metadata, smooth every curve, resample onto the t_hat grid, build the reference,

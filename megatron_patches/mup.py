@@ -1,4 +1,4 @@
-"""µP / CompleteP on Megatron-Core's GPTModel (PAPER.md section 7).
+"""µP / CompleteP on Megatron-Core's GPTModel (docs/method.md §7).
 
 Megatron-Core 0.16.1 has no µP switch. What it has is used directly:
 - attention logits scale: ``TransformerConfig.softmax_scale`` (set by the caller, 1/d_head);

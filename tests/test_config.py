@@ -8,13 +8,14 @@ import pytest
 from collapse.config import (
     ConfigError,
     compose_config,
+    config_options,
     hydra_overrides,
     load_config,
     validate_config,
 )
 from collapse.plan import contrast_members, plan_family, plan_report_markdown
 
-TINY_TPP5 = ["family=tiny_tpp5"]  # the default until stop 18, which tiny_fixed_wd varies
+TINY_TPP5 = ["family=experiments/tiny_tpp5"]  # the TPP-5 family that tiny_fixed_wd varies
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +37,10 @@ def test_three_families_compose_and_validate():
         assert cfg.cluster.name == cluster
 
 
-@pytest.mark.parametrize(
-    "family", sorted(p.stem for p in (Path(__file__).parents[1] / "config/family").glob("*.yaml"))
-)
+@pytest.mark.parametrize("family", config_options(Path(__file__).parents[1] / "config", "family"))
 def test_every_family_in_the_config_group_plans(family):
-    """Probes and contrasts too: a family YAML that drifts from the schema fails here, not in
-    the session that next runs it (planning needs no corpus, so none has to be installed)."""
+    """The experiments' probes and contrasts too: a family YAML that drifts from the schema fails
+    here, not when it is next run (planning needs no corpus, so none has to be installed)."""
     plan = plan_family(load_config([f"family={family}"]))
     assert len(plan.table) > 0
     assert plan.table.tokens.gt(0).all()
@@ -75,7 +74,7 @@ def test_a_size_that_repeats_the_corpus_is_warned_about(tmp_path, capsys):
         plan_family(load_config(TINY_TPP5), corpus_tokens=6_000_000)
     )
     # before the data exists the estimate (bytes per token at vocab 512) sees it too
-    assert main(["plan", "family=tiny_tpp5", "--out", str(tmp_path / "tpp5")]) == 0
+    assert main(["plan", "family=experiments/tiny_tpp5", "--out", str(tmp_path / "tpp5")]) == 0
     assert "warning: the corpus is seen more than once by d192" in capsys.readouterr().err
     assert main(["plan", "--out", str(tmp_path / "tiny")]) == 0
     assert "warning" not in capsys.readouterr().err
@@ -125,7 +124,9 @@ def test_contrast_family_holds_lambda_not_tau():
     """tiny_fixed_wd is tiny_tpp5 with one weight decay for every size: tau drifts with size."""
     # one corpus size for both (else each estimates it from its own data folder, if built)
     tiny = plan_family(load_config(TINY_TPP5), corpus_tokens=5_000_000).table
-    fixed = plan_family(load_config(["family=tiny_fixed_wd"]), corpus_tokens=5_000_000).table
+    fixed = plan_family(
+        load_config(["family=experiments/tiny_fixed_wd"]), corpus_tokens=5_000_000
+    ).table
     tiny, fixed = (t[t.role == "family"].set_index("run") for t in (tiny, fixed))
     assert list(fixed.index) == list(tiny.index)
     assert fixed.weight_decay.nunique() == 1 and tiny.tau.round(6).nunique() == 1
@@ -143,7 +144,7 @@ def test_the_familys_contrast_is_its_runs_with_the_smallest_sizes_lambda():
     the same specs but the name, the role and what lambda sets (tau drifts with size). The
     smallest size has that lambda already: the contrast shares its family runs, no twins."""
     plan = plan_family(load_config(TINY_TPP5), corpus_tokens=5_000_000)
-    fixed = plan_family(load_config(["family=tiny_fixed_wd"]), corpus_tokens=5_000_000)
+    fixed = plan_family(load_config(["family=experiments/tiny_fixed_wd"]), corpus_tokens=5_000_000)
     assert fixed.run_names("contrast") == []  # the contrast family has no contrast of its own
     assert contrast_members(fixed.table).empty
     contrast = plan.run_names("contrast")
@@ -422,6 +423,19 @@ def test_a_family_named_unlike_its_file_is_refused(tmp_path):
     assert "set name: mine" in message
     with pytest.raises(ConfigError, match="differs from its file name"):
         load_config(["family=tiny", "family.name=other"], config)
+
+
+def test_a_family_in_a_sub_folder_is_named_by_its_file_stem():
+    """config/family/experiments/tiny_tpp5.yaml is picked as experiments/tiny_tpp5; its name,
+    and so its results folder, stays tiny_tpp5."""
+    assert "experiments/tiny_tpp5" in config_options(Path(__file__).parents[1] / "config", "family")
+    assert load_config(["family=experiments/tiny_tpp5"]).family.name == "tiny_tpp5"
+    with pytest.raises(
+        ConfigError, match=r"'tiny_tpp5' \(did you mean 'experiments/tiny_tpp5'\?\)"
+    ):
+        load_config(["family=tiny_tpp5"])
+    with pytest.raises(ConfigError, match=r"differs from its file name 'tiny_tpp5'"):
+        load_config(["family=experiments/tiny_tpp5", "family.name=other"])
 
 
 def test_the_config_folder_is_the_working_directorys(tmp_path, monkeypatch):

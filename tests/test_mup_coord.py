@@ -1,4 +1,4 @@
-"""µP coordinate check (issue 3, item 6) on the real training path.
+"""µP coordinate check on the real training path.
 
 Four widths at depth 2 go through ``collapse.train.build_stack`` (``build_gpt_model``, Megatron
 DDP, ``get_megatron_optimizer`` with the per-group LR overrides) and ``train_step``, with the
@@ -23,7 +23,7 @@ HEAD_DIM = 16  # fixed: heads grow with width, as in a µP family
 LAYERS = 2
 SEQ, BATCH = 32, 8
 STEPS = 4
-# PAPER.md section 7: the paper's tuned proxy values
+# docs/method.md §7: the paper's tuned proxy values
 SIGMA, ETA, ALPHA_IN, ALPHA_OUT = 8.67e-2, 1.62e-2, 9.17, 1.095
 
 # Thresholds from a measurement (largest/smallest width after 4 steps, this machine, fp32):

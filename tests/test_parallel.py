@@ -208,7 +208,7 @@ def test_choose_layout_error_names_size_need_and_fix():
 
 
 def test_celerity_layouts_on_80gb_nodes(capsys):
-    """PAPER.md section 8 sizes on 8 x 80 GB per node, 16 nodes: every size fits."""
+    """docs/method.md §8 sizes on 8 x 80 GB per node, 16 nodes: every size fits."""
     sizes = [
         ("300M", 640, 10, 64, 13, 176),
         ("500M", 896, 14, 64, 17, 240),

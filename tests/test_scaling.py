@@ -27,7 +27,7 @@ from collapse.scaling import (
     weight_decay_for_tau,
 )
 
-# PAPER.md section 8: (name, d_model, heads, head size, layers, batch in sequences)
+# docs/method.md §8: (name, d_model, heads, head size, layers, batch in sequences)
 CELERITY = [
     ("300M", 640, 10, 64, 13, 176),
     ("500M", 896, 14, 64, 17, 240),
@@ -86,7 +86,7 @@ def test_param_count_uses_attention_width_not_d_model():
 
 
 def test_celerity_sizes_land_near_their_names(capsys):
-    """PAPER.md section 8: vocab 128256 untied, squared-ReLU x8, ALiBi."""
+    """docs/method.md §8: vocab 128256 untied, squared-ReLU x8, ALiBi."""
     totals = {}
     for name, d, heads, head_dim, layers, _ in CELERITY:
         count = param_count(celerity_arch(d, heads, head_dim, layers))
@@ -213,7 +213,7 @@ def test_steps_and_realized_tokens():
 
 
 def test_tau_610m_check_from_the_paper():
-    """PAPER.md section 2: 610M, d 2048, d_base 256, eta_base 1.62e-2, lambda 0.1."""
+    """docs/method.md §2: 610M, d 2048, d_base 256, eta_base 1.62e-2, lambda 0.1."""
     m610 = arch(d_model=2048, n_layers=24, n_heads=16, head_dim=128, ffn_hidden=8192)
     mup = mup_parameterization(
         m610,

@@ -1,4 +1,4 @@
-"""tiny_tpp5's real tau sweep on a CPU (issue 5; the default family before stop 18): three
+"""tiny_tpp5's real tau sweep on a CPU (config/family/experiments/tiny_tpp5.yaml): three
 variants at d96 cut at 10-30 % of training, each predicted against the small d48 run of its own
 tau, every variant also trained to the end for the truth. About 4.5 minutes on two cores (262 s
 measured), so marked slow and left out of CI's subset (the smoke family's sweep in the e2e test
@@ -16,7 +16,7 @@ def test_tiny_tau_sweep_predicts_better_than_the_loss_now(tmp_path):
         tmp_path,
         "results/tiny_tpp5/sweeps/tau/metrics.csv",
         "--config",
-        "family=tiny_tpp5",
+        "family=experiments/tiny_tpp5",
         timeout=2400,
     )
 

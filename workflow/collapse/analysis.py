@@ -1,4 +1,4 @@
-"""Family-level collapse analysis and the ``collapse analyze`` command (PAPER.md sections 2-4).
+"""Family-level collapse analysis and the ``collapse analyze`` command (docs/method.md §§2-4).
 
 Pure statistics (``collapse_statistics``: Delta, sigma, supercollapse, score; ``gate_matrix``:
 every run's gate at once) and the entry points the Snakemake rules call, one per rule:
@@ -40,7 +40,7 @@ from collapse.reference import (
 from collapse.surrogate import WARMUP_FRACTION, SurrogateFit, fit_surrogate
 from collapse.validate import InputError
 
-LATE_WINDOW = (0.5, 1.0)  # PAPER.md section 2: supercollapse late in training, delta up to 0.5
+LATE_WINDOW = (0.5, 1.0)  # docs/method.md §2: supercollapse late in training, delta up to 0.5
 SCORE_WINDOW = (0.2, 1.0)  # the score ignores the first 20 % (as the paper's fits do)
 SUPERCOLLAPSE_FRACTION = 0.9  # share of late-window points where Delta < sigma must hold
 
@@ -50,7 +50,7 @@ SUPERCOLLAPSE_FRACTION = 0.9  # share of late-window points where Delta < sigma 
 
 @dataclass(frozen=True)
 class FamilyStats:
-    """Collapse of one family (PAPER.md section 2, after Qiu et al. 2025)."""
+    """Collapse of one family (docs/method.md §2, after Qiu et al. 2025)."""
 
     t_hat: np.ndarray
     delta: np.ndarray  # std/mean of ell over all sizes and seeds
@@ -102,7 +102,7 @@ def collapse_statistics(
 ) -> FamilyStats:
     """Delta(t_hat), sigma(t_hat) per size, the supercollapse verdict and the family's score.
 
-    Source: PAPER.md section 2. Delta = std_{sizes,seeds}[ell] / mean[ell] (ddof 1) over the
+    Source: docs/method.md §2. Delta = std_{sizes,seeds}[ell] / mean[ell] (ddof 1) over the
     complete runs; sigma_size = std_seeds[L - L0] / mean_seeds[L - L0] on the raw smoothed loss.
     Supercollapse: Delta < mean sigma at >= ``supercollapse_fraction`` of the late-window
     points (t_hat = 1 left out: there every ell is 1 by construction). Undetermined (None, with

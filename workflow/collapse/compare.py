@@ -1,9 +1,10 @@
 """``collapse compare``: several families' collapse side by side (the search for a CPU family).
 
-Issue 9 asks for a family that collapses on a CPU, found by changing one thing at a time and
-measuring Delta against sigma each time. Each attempt is a family of its own under results/
-(a config, or tiny with Hydra overrides and its own ``family.name``); this command reads what
-their collapse_stats and gate rules wrote and puts them in one table and one figure:
+Finding a family that collapses on a CPU means changing one thing at a time and measuring
+Delta against sigma each time (docs/experiments.md records such a search). Each attempt is a
+family of its own under results/ (a config, or tiny with Hydra overrides and its own
+``family.name``); this command reads what their collapse_stats and gate rules wrote and puts
+them in one table and one figure:
 ``comparison.csv`` / ``comparison.md`` and ``comparison.png`` in ``--out``.
 """
 

@@ -103,7 +103,7 @@ class ScheduleSpec(_Spec):
 
 
 class ParameterizationSpec(_Spec):
-    """µP (Cerebras) or CompleteP; the tuned proxy values of the paper by default (PAPER.md §7)."""
+    """µP (Cerebras) or CompleteP; by default the paper's tuned proxy values (docs/method.md §7)."""
 
     kind: Literal["mup", "completep", "sp"] = "mup"
     d_base: PositiveInt = 256
@@ -155,7 +155,7 @@ class SweepSpec(_Spec):
     )
     validate_full: bool = False  # train every variant to the end to measure the truth
     seed: Annotated[int, Field(ge=0)] = 0
-    # A small run per distinct tau of the grid is each variant's reference (PAPER.md section 5,
+    # A small run per distinct tau of the grid is each variant's reference (docs/method.md §5,
     # step 1: one small model per combination of controls). Default: the first reference size.
     reference_size: str | None = None
 
@@ -216,7 +216,7 @@ class FaultSpec(_Spec):
 
 
 class DetectorSpec(_Spec):
-    """The raw-loss detectors the collapse monitor is compared with (issue: fault detection)."""
+    """The raw-loss detectors the collapse monitor is compared with (the fault experiment)."""
 
     # OLMo-core's StabilityMonitorCallback defaults: a spike is a loss above the mean of the
     # previous 128 values by more than 6 standard deviations.
@@ -250,7 +250,7 @@ class FaultExperimentSpec(_Spec):
 
 
 class ContrastSpec(_Spec):
-    """The contrast of the method (PAPER.md section 2): the family's runs of one band again,
+    """The contrast of the method (docs/method.md §2): the family's runs of one band again,
     identical except that tau is not held fixed; the smallest size's own runs are shared, not
     trained again. Its collapse is measured by the same statistics and gates, next to the
     family's.
@@ -589,19 +589,26 @@ def compose_config(overrides: list[str] = (), config_dir: Path | None = None) ->
         raise ConfigError(f"config file is not valid YAML: {err}; fix the syntax there") from None
     finally:
         GlobalHydra.instance().clear()
-    family_file = cfg.hydra.runtime.choices.get("family")
+    family_choice = cfg.hydra.runtime.choices.get("family")  # e.g. tiny, experiments/tiny_tpp5
     with open_dict(cfg):
         del cfg["hydra"]
     raw = OmegaConf.to_container(cfg, resolve=True)
     name = (raw.get("family") or {}).get("name")
+    family_file = Path(family_choice).name if family_choice else None
     if family_file and name is not None and name != family_file:
         raise ConfigError(
             f"family.name: {name!r} differs from its file name {family_file!r} "
-            f"({config_dir / 'family' / family_file}.yaml); the name is the results folder, so "
-            f"set name: {family_file} (for a variant, copy the file under a new name or pass "
+            f"({config_dir / 'family' / family_choice}.yaml); the name is the results folder, "
+            f"so set name: {family_file} (for a variant, copy the file under a new name or pass "
             "results=DIR)"
         )
     return raw
+
+
+def config_options(config_dir: Path, group: str) -> list[str]:
+    """The names a config group offers, sub-folders included (``experiments/tiny_tpp5``)."""
+    folder = config_dir / group
+    return sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
 
 
 def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
@@ -610,9 +617,12 @@ def _explain_hydra_error(err: Exception, config_dir: Path) -> str:
         marker = f"'{group}/"
         if marker in text and "Could not find" in text:
             name = text.split(marker, 1)[1].split("'", 1)[0]
-            options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+            options = config_options(config_dir, group)
+            # a family moved into a sub-folder is suggested by its file name first
+            moved = [o for o in options if o.rsplit("/", 1)[-1] == name]
+            hint = f" (did you mean {moved[0]!r}?)" if moved else _did_you_mean(name, options)
             return (
-                f"{group}: no config named {name!r}{_did_you_mean(name, options)}; "
+                f"{group}: no config named {name!r}{hint}; "
                 f"available: {', '.join(options)} (files in {config_dir / group})"
             )
     if text.startswith("Could not override '"):

@@ -1,13 +1,14 @@
 """The controls audit: does a run realize the AdamW timescale of the runs it is compared with?
 
-Collapse compares runs that share their controls (PAPER.md section 2: TPP, tau, schedule). A size
+Collapse compares runs that share their controls (docs/method.md §2: TPP, tau, schedule). A size
 trained with a weight decay that was not rescaled has another tau, and in short runs that moves
-its normalized curve less than the seed does (README, Fault detection): no loss-based detector
-can see it. Its optimizer can. AdamW shrinks the weights by eta_t * lambda every step (an EMA of
-timescale tau_t = 1 / (eta_t * lambda * T)). For a run of T steps, the reference's tau implies the
-rate s_t / (tau_ref * T), with s_t the schedule's shape (peak 1). The audit compares that with the
-rate the run's optimizer applied (curve columns ``lr`` and ``weight_decay``, logged from its
-param groups) and fires at the first step where they differ by more than a tolerance.
+its normalized curve less than the seed does (docs/experiments.md, "Fault detection"): no
+loss-based detector can see it. Its optimizer can. AdamW shrinks the weights by eta_t * lambda
+every step (an EMA of timescale tau_t = 1 / (eta_t * lambda * T)). For a run of T steps, the
+reference's tau implies the rate s_t / (tau_ref * T), with s_t the schedule's shape (peak 1).
+The audit compares that with the rate the run's optimizer applied (curve columns ``lr`` and
+``weight_decay``, logged from its param groups) and fires at the first step where they differ
+by more than a tolerance.
 """
 
 from __future__ import annotations

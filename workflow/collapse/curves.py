@@ -34,7 +34,7 @@ STEP_COLUMNS = ("run", "step", "tokens", "t_hat", "loss", "loss_smooth")
 # Metadata the analysis understands (others are carried along untouched).
 # A run counts as complete when its last point reaches this fraction of its full length.
 COMPLETE_T_HAT = 1.0 - 1e-3
-# Paper (PAPER.md section 2): moving average over 100 steps; capped for short runs (below).
+# Paper (docs/method.md §2): moving average over 100 steps; capped for short runs (below).
 PAPER_WINDOW_STEPS = 100
 SHORT_RUN_WINDOW_FRACTION = 0.02
 
@@ -97,7 +97,7 @@ class CurveMatrix:
         return CurveMatrix(self.grid, self.loss[mask], self.meta[mask])
 
     def normalized(self, offset: float = 0.0) -> np.ndarray:
-        """ell = (L - L0) / (L(T) - L0) for every run (PAPER.md section 2)."""
+        """ell = (L - L0) / (L(T) - L0) for every run (docs/method.md §2)."""
         return normalize(self.loss, self.meta["final_loss"].to_numpy(float), offset)
 
 
@@ -232,7 +232,7 @@ def curves_from_frame(
 ) -> Curves:
     """Check a long table against the curve contract, split off per-run metadata, add t_hat.
 
-    t_hat = step / full length of the run (PAPER.md section 2): taken from a ``t_hat`` column
+    t_hat = step / full length of the run (docs/method.md §2): taken from a ``t_hat`` column
     when present, else from a ``steps`` (total steps) metadata column, else from the run's
     largest step (then the run is assumed complete). A partial run with known length stays
     partial, so it is never normalized by a loss that is not its final one.
@@ -316,7 +316,7 @@ def curves_from_frame(
 
 
 def default_window_steps(total_steps: int | np.ndarray) -> np.ndarray:
-    """Smoothing window in steps: the paper's 100 (PAPER.md section 2), at most 2 % of a run.
+    """Smoothing window in steps: the paper's 100 (docs/method.md §2), at most 2 % of a run.
 
     The cap keeps the window the same fraction of training for short runs, so runs of different
     length lag their raw loss by the same t_hat.
@@ -375,7 +375,7 @@ def smooth(
     window_steps: int | None = None,
     window_seqs: int | None = None,
 ) -> Curves:
-    """Add ``loss_smooth``: the trailing mean of ``loss`` (PAPER.md section 2).
+    """Add ``loss_smooth``: the trailing mean of ``loss`` (docs/method.md §2).
 
     The window is given in steps, or in sequences (converted per run with the ``batch_seqs``
     metadata column, so runs with different batch sizes average the same amount of data);
@@ -449,7 +449,7 @@ def resample(
 def normalize(loss: np.ndarray, final_loss: np.ndarray | float, offset: float = 0.0) -> np.ndarray:
     """ell = (L - L0) / (L(T) - L0); L0 = 0 is the collapse paper's choice, Qiu et al. fit one.
 
-    Source: PAPER.md section 2. ``final_loss`` broadcasts per row (one L(T) per run).
+    Source: docs/method.md §2. ``final_loss`` broadcasts per row (one L(T) per run).
     """
     final = np.asarray(final_loss, dtype=float)
     if final.ndim == 1 and np.ndim(loss) == 2:

@@ -46,9 +46,8 @@ EOD_ID = 0  # == collapse.tokenizer.EOD_ID; repeated here so plan-time imports s
 MIN_VOCAB_SIZE = 257  # == collapse.tokenizer.MIN_VOCAB_SIZE
 
 # Bytes per token (EOD included) of a byte-level BPE trained on the default sources, measured
-# with `collapse data` at seed 1234 (report of issue 3; 512: the tiny family's data at seed 0,
-# its meta.json); vocab 257 is plain bytes. Used only to estimate tokens before the dataset
-# exists.
+# with `collapse data` at seed 1234 (512: the tiny family's data at seed 0, its meta.json);
+# vocab 257 is plain bytes. Used only to estimate tokens before the dataset exists.
 BYTES_PER_TOKEN_BY_VOCAB = {257: 1.0, 512: 1.927, 1024: 2.360, 4096: 3.140, 8192: 3.518}
 
 

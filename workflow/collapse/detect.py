@@ -1,6 +1,6 @@
 """The fault-detection experiment: when does each detector see an injected fault?
 
-PAPER.md section 4 claims that a run's residual against the family's reference shows a fault
+docs/method.md §4 claims that a run's residual against the family's reference shows a fault
 long before the raw loss does. This stage measures that on the family's own runs: every fault
 run of the experiment (``family.faults``) and the clean seeds of the same size are replayed
 through five detectors, each with its policy fixed before looking at the runs:

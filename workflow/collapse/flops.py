@@ -15,7 +15,7 @@ def _check(params: int, tokens: int) -> None:
 def flops_6nd(params: int, tokens: int) -> float:
     """Training FLOPs as 6 N D (2 forward + 4 backward per parameter and token).
 
-    Source: PAPER.md section 6 (the first term of Table 9); Kaplan et al. 2020.
+    Source: docs/method.md §6 (the first term of Table 9); Kaplan et al. 2020.
     """
     _check(params, tokens)
     return 6.0 * params * tokens
@@ -24,7 +24,7 @@ def flops_6nd(params: int, tokens: int) -> float:
 def attention_flops_per_token(arch: ModelArch) -> float:
     """Forward FLOPs per token of one layer beyond its weight matmuls, C_attn / tokens.
 
-    Source: PAPER.md section 6 (Table 9), term by term as the paper lists it, with S the
+    Source: docs/method.md §6 (Table 9), term by term as the paper lists it, with S the
     sequence length, d_attn = heads x head_dim the attention width and d the model width:
     QK^T 2 S d_attn; softmax, scaling and mask 3 S; attention x V 2 S d_attn; FFN activation d;
     and the paper's further 2 d^2 "projection" term, counted here as the paper lists it
@@ -43,7 +43,7 @@ def attention_flops_per_token(arch: ModelArch) -> float:
 def flops_table9(arch: ModelArch, params: int, tokens: int) -> float:
     """Training FLOPs = 6 N D - 2 V d D + 3 L C_attn(D).
 
-    Source: PAPER.md section 6 (Table 9 of arXiv 2509.25087). The 2 V d D term removes the
+    Source: docs/method.md §6 (Table 9 of arXiv 2509.25087). The 2 V d D term removes the
     input-embedding lookup that 6 N D counts as a matmul; the factor 3 on the attention terms is
     one forward plus two backward passes.
     """

@@ -1,4 +1,4 @@
-"""Collapse gates: does a run follow the family's reference curve? (PAPER.md section 4)
+"""Collapse gates: does a run follow the family's reference curve? (docs/method.md §4)
 
 The residual r(t_hat) = ell_run(t_hat) - ell_ref(t_hat), with the run normalized by early-align
 (its L(T) chosen to match the reference over the align window, so a fault late in training
@@ -118,7 +118,7 @@ def evaluate_gate(
     align_points: int | None = None,
     plot: str = "",
 ) -> GateVerdict:
-    """The verdict for one run from its early-aligned residual r(t_hat) (PAPER.md section 4).
+    """The verdict for one run from its early-aligned residual r(t_hat) (docs/method.md §4).
 
     A non-finite residual inside the window (a NaN or infinite loss) counts as a crossing. A run
     that stops before the end of the align window, or logs fewer than ``MIN_ALIGN_POINTS``

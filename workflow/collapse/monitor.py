@@ -1,4 +1,4 @@
-"""Online collapse monitor: the gate, applied while a run trains (PAPER.md section 4).
+"""Online collapse monitor: the gate, applied while a run trains (docs/method.md §4).
 
 The training loop calls ``observe`` every step (cheap: appends to lists) and ``check`` every
 ``spec.monitor.every_steps``. Before the end of the align window the monitor only records.

@@ -1,4 +1,4 @@
-"""The family's reference curve and early-align (PAPER.md sections 3-4).
+"""The family's reference curve and early-align (docs/method.md §§3-4).
 
 The reference is the mean normalized curve of the reference sizes (all their seeds), with a band
 and the seed noise the gates calibrate their threshold from. Early-align normalizes a run that
@@ -20,7 +20,7 @@ import pandas as pd
 
 from collapse.curves import CurveMatrix, nan_columns_expected, normalize, size_labels
 
-ALIGN_WINDOW = (0.25, 0.5)  # PAPER.md section 3: the paper aligns over 25-50 % of training
+ALIGN_WINDOW = (0.25, 0.5)  # docs/method.md §3: the paper aligns over 25-50 % of training
 BAND_Z = 2.0  # reference band: mean +- 2 std over the reference curves
 REFERENCE_COLUMNS = ("t_hat", "ell", "lower", "upper")
 
@@ -64,7 +64,7 @@ def early_align(
 ) -> AlignResult:
     """The L(T) that best aligns a partial (smoothed) curve with the reference over ``window``.
 
-    Source: PAPER.md section 3 ("early-align"). Least squares in log space:
+    Source: docs/method.md §3 ("early-align"). Least squares in log space:
     log(L(t) - L0) = log(L(T) - L0) + log ell_ref(t) + e(t), so log(L(T) - L0) = mean(...),
     which weighs relative errors equally at every t_hat. Uses the run's own points inside the
     window (the reference is interpolated there); raises if the curve has none there.
@@ -134,7 +134,7 @@ def aligned_residuals(
     window: tuple[float, float] = ALIGN_WINDOW,
     offset: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """r(t_hat) = ell_run - ell_ref with each run early-aligned (PAPER.md section 4).
+    """r(t_hat) = ell_run - ell_ref with each run early-aligned (docs/method.md §4).
 
     Returns (residual matrix (n_runs, n_grid), aligned final loss per run).
     """
@@ -232,7 +232,7 @@ def reference_curve(
     window: tuple[float, float] = ALIGN_WINDOW,
     band_z: float = BAND_Z,
 ) -> ReferenceCurve:
-    """The reference from complete runs of the reference sizes (PAPER.md section 5, step 1).
+    """The reference from complete runs of the reference sizes (docs/method.md §5, step 1).
 
     ell_ref = mean over sizes and seeds of ell = (L - L0)/(L(T) - L0); band = mean +- z std
     (zero width for a single curve). ``seed_std``: the runs early-aligned to ell_ref, then the

@@ -7,7 +7,7 @@ evals) is skipped with a line in index.md that says what is missing, never an er
 report can be rebuilt at any point of a family's life. Captions for Snakemake's ``--report``
 are workflow/report/<figure>.rst, one per name in ``FIGURES``.
 
-Artifacts (issue 6, item 2):
+Artifacts:
   (a) collapse_curves: normalized curves by size per TPP band, residual vs the band's reference;
   (b) delta_sigma + collapse_summary: Delta against the seed noise sigma over t_hat per band;
   (c) gate_summary + gates table + gates/<run>.png: the evidence of every gated run;
@@ -38,7 +38,9 @@ from collapse.reference import ALIGN_WINDOW, ReferenceCurve, aligned_residuals
 
 PUBLISHED_RESULTS = Path(__file__).resolve().parent / "data" / "published_results.csv"
 CELERITY_OVERRIDES = ("family=celerity", "cluster=slurm_h100")
-CELERITY_RELEASED_TPP = 234.0  # the released Celerity models are the 234-TPP band (PAPER.md §8)
+CELERITY_RELEASED_TPP = (
+    234.0  # the released Celerity models are the 234-TPP band (docs/method.md §8)
+)
 TASK_COLUMNS = ("arc_c", "arc_e", "boolq", "hellaswag", "piqa", "siqa", "winogrande")
 # lm-eval task names (as the evaluation writes them) -> published_results.csv columns
 TASK_ALIASES = {"arc_challenge": "arc_c", "arc_easy": "arc_e", "social_iqa": "siqa"}

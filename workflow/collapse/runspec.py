@@ -38,7 +38,7 @@ class ModelArch(_Strict):
 class Parameterization(_Strict):
     """µP / CompleteP multipliers, per-group learning rates and init stds, already resolved.
 
-    Source: PAPER.md section 7 (Cerebras µP), CompleteP for depth (Dey et al. 2025).
+    Source: docs/method.md §7 (Cerebras µP), CompleteP for depth (Dey et al. 2025).
     """
 
     kind: Literal["mup", "completep", "sp"]

@@ -1,8 +1,8 @@
 """Scaling rules: parameters, tokens, batch, steps, AdamW timescale, schedule and µP.
 
-Every function here is pure and small; each names its source (a section of PAPER.md, which
-restates the papers). The planner calls them once per run and writes the results into the run
-spec, so nothing downstream recomputes a rule.
+Every function here is pure and small; each names its source (a section of docs/method.md,
+which restates the papers). The planner calls them once per run and writes the results into
+the run spec, so nothing downstream recomputes a rule.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _positive(name: str, value: float) -> None:
 def param_count(arch: ModelArch) -> ParamCount:
     """Exact parameter count of Megatron-Core 0.16.1 GPTModel with get_gpt_layer_local_spec.
 
-    Source: PAPER.md section 1 (TPP counts all parameters, embeddings included); the layout is
+    Source: docs/method.md §1 (TPP counts all parameters, embeddings included); the layout is
     Megatron-Core's: linear layers with biases (add_bias_linear), LayerNorm with weight and bias
     (two per layer plus the final one), fused QKV, output layer without bias. Swiglu is
     gated_linear_unit=True with ``ffn_hidden`` per matrix (three d x f matrices). ALiBi and RoPE
@@ -78,7 +78,7 @@ def param_count(arch: ModelArch) -> ParamCount:
 def tokens_for_tpp(tpp: float, params: int) -> int:
     """Training tokens D = TPP x N, rounded to a whole token.
 
-    Source: PAPER.md section 1 (TPP = D / N, N all parameters).
+    Source: docs/method.md §1 (TPP = D / N, N all parameters).
     """
     _positive("tpp", tpp)
     _positive_int("params", params)
@@ -96,7 +96,7 @@ def batch_seqs_power_law(
 ) -> int:
     """Global batch in sequences of ``seq_len`` from B_opt = coef * D^exponent.
 
-    Source: PAPER.md section 2 (Power Lines: B_opt ~ 0.0306 * D^0.383 in 2048-token sequences).
+    Source: docs/method.md §2 (Power Lines: B_opt ~ 0.0306 * D^0.383 in 2048-token sequences).
     The law is converted to other sequence lengths by tokens per batch, then rounded to the
     nearest multiple of ``multiple_of`` (at least ``multiple_of``) so it splits over devices.
     """
@@ -113,7 +113,7 @@ def batch_seqs_power_law(
 def steps_for(tokens: int, batch_seqs: int, seq_len: int) -> int:
     """Optimizer steps T = D / (B x S), rounded to the nearest whole step, at least 1.
 
-    Source: PAPER.md section 2 (t_hat = t B / D); report the realized tokens after rounding.
+    Source: docs/method.md §2 (t_hat = t B / D); report the realized tokens after rounding.
     """
     _positive_int("tokens", tokens)
     _positive_int("batch_seqs", batch_seqs)
@@ -122,7 +122,7 @@ def steps_for(tokens: int, batch_seqs: int, seq_len: int) -> int:
 
 
 def realized_tokens(steps: int, batch_seqs: int, seq_len: int) -> int:
-    """Tokens a run of whole steps actually consumes: T x B x S (PAPER.md section 2)."""
+    """Tokens a run of whole steps actually consumes: T x B x S (docs/method.md §2)."""
     _positive_int("steps", steps)
     _positive_int("batch_seqs", batch_seqs)
     _positive_int("seq_len", seq_len)
@@ -132,7 +132,7 @@ def realized_tokens(steps: int, batch_seqs: int, seq_len: int) -> int:
 def tau_power_law(tpp: float, coef: float = 1.084, exponent: float = -0.527) -> float:
     """Optimal AdamW timescale (fraction of training) tau_opt = coef * TPP^exponent.
 
-    Source: PAPER.md section 2 (Power Lines; the coefficient from secondary sources).
+    Source: docs/method.md §2 (Power Lines; the coefficient from secondary sources).
     """
     _positive("tpp", tpp)
     _positive("coef", coef)
@@ -142,7 +142,7 @@ def tau_power_law(tpp: float, coef: float = 1.084, exponent: float = -0.527) -> 
 def tau_of(lr: float, weight_decay: float, batch_tokens: int, tokens: int) -> float:
     """AdamW EMA timescale as a fraction of training, tau = B / (eta lambda D).
 
-    Source: PAPER.md section 2; ``lr`` is the µP-adjusted hidden LR, B and D in tokens.
+    Source: docs/method.md §2; ``lr`` is the µP-adjusted hidden LR, B and D in tokens.
     """
     _positive("lr", lr)
     _positive("weight_decay", weight_decay)
@@ -154,7 +154,7 @@ def tau_of(lr: float, weight_decay: float, batch_tokens: int, tokens: int) -> fl
 def weight_decay_for_tau(tau: float, lr: float, batch_tokens: int, tokens: int) -> float:
     """Weight decay that realizes a target timescale, lambda = B / (eta tau D).
 
-    Source: PAPER.md section 2; ``lr`` is the µP-adjusted hidden LR, B and D in tokens.
+    Source: docs/method.md §2; ``lr`` is the µP-adjusted hidden LR, B and D in tokens.
     """
     _positive("tau", tau)
     _positive("lr", lr)
@@ -172,7 +172,7 @@ def warmup_steps(
 ) -> int:
     """Linear-warmup length: ``fraction`` of the steps, capped at ``max_tokens`` when given.
 
-    Source: PAPER.md section 2 (10 % of steps in the paper's experiments) and section 8
+    Source: docs/method.md §2 (10 % of steps in the paper's experiments) and section 8
     (Celerity: min(10 % of tokens, 375M tokens)). Always below ``steps``, since Megatron's
     scheduler needs warmup < decay steps.
     """
@@ -192,7 +192,7 @@ def warmup_steps(
 def lr_at(step: int, *, peak: float, warmup_steps: int, total_steps: int) -> float:
     """LR after ``step`` scheduler steps: linear warmup from 0, then linear decay to 0 (D2Z).
 
-    Source: PAPER.md section 1 (decay to zero) and Megatron-Core 0.16.1
+    Source: docs/method.md §1 (decay to zero) and Megatron-Core 0.16.1
     OptimizerParamScheduler(init_lr=0, lr_decay_style="linear", min_lr=0,
     lr_decay_steps=total_steps), whose get_lr this reproduces: the LR used by optimizer update
     ``step`` (0-based) is lr_at(step); lr_at(total_steps) = 0.
@@ -229,7 +229,7 @@ def mup_parameterization(
 ) -> Parameterization:
     """Per-group init stds, LRs and multipliers for µP, CompleteP or standard parameterization.
 
-    Source: PAPER.md section 7 (Cerebras µP: Cerebras-GPT / BTLM). Width m_d = d_model/d_base:
+    Source: docs/method.md §7 (Cerebras µP: Cerebras-GPT / BTLM). Width m_d = d_model/d_base:
     embedding std sigma_base, LR eta_base, output x alpha_input; hidden matrices var
     sigma_base^2/m_d, LR eta_base/m_d; output projections var sigma_base^2/(2 m_d L), LR
     eta_base/m_d; norms and biases LR eta_base; attention 1/d_head; logits alpha_output/m_d.
@@ -243,7 +243,7 @@ def mup_parameterization(
     "sp": every multiplier 1, one LR eta_base, std sigma_base (output projections
     sigma_base/sqrt(2L), Megatron's default), attention 1/sqrt(d_head); eps as given.
     Weight decay: AdamW shrinks a group by lr_group x lambda per step, so tau (defined with the
-    hidden LR, PAPER.md section 2) holds for the (un)embedding only with its weight decay x
+    hidden LR, docs/method.md §2) holds for the (un)embedding only with its weight decay x
     lr_hidden / eta_base ("same_tau"); "coupled" leaves it at 1 (timescale tau / m_d).
     """
     _positive_int("d_base", d_base)

@@ -68,7 +68,7 @@ def _share(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     """Predict every variant against the small run of its own tau; metrics where truth is known.
 
-    PAPER.md section 5: the reference of a setting is a small model trained with the same
+    docs/method.md §5: the reference of a setting is a small model trained with the same
     controls (schedule, tau, TPP). The plan adds one such run per distinct tau of the grid.
     """
     import numpy as np

@@ -1,6 +1,6 @@
 """The parametric universal curve of Eq. 4, its fit on small runs, and curves drawn from it.
 
-Source: PAPER.md section 5 (Bergsma et al. 2025, Eq. 4):
+Source: docs/method.md §5 (Bergsma et al. 2025, Eq. 4):
     ell_hat(t) = ((1 + eps1) / (t + eps1))^m + b * (eta(t) + eps2)^q, divided by its value at 1,
 with eps1 = 0.001, eps2 = 0.1, m = 0.05 fixed, eta(t) the LR schedule normalized to peak 1,
 b = b_c * tau^b_e and q = q_c * TPP^q_e. The constants are not published: ``fit_surrogate``
@@ -20,8 +20,8 @@ from scipy.optimize import least_squares
 EPS1 = 1e-3
 EPS2 = 0.1
 M_EXPONENT = 0.05
-WARMUP_FRACTION = 0.1  # PAPER.md section 2: 10 % warmup in the paper's experiments
-FIT_WINDOW = (0.2, 1.0)  # PAPER.md section 2: fits ignore the first 20 % of training
+WARMUP_FRACTION = 0.1  # docs/method.md §2: 10 % warmup in the paper's experiments
+FIT_WINDOW = (0.2, 1.0)  # docs/method.md §2: fits ignore the first 20 % of training
 
 
 def d2z_schedule(t_hat: np.ndarray, warmup_fraction: float = WARMUP_FRACTION) -> np.ndarray:
@@ -41,7 +41,7 @@ def eq4_ell(
 ) -> np.ndarray:
     """Eq. 4 normalized curve; ``b``/``q`` broadcast against ``t_hat`` (column vectors for many).
 
-    Source: PAPER.md section 5.
+    Source: docs/method.md §5.
     """
     t = np.asarray(t_hat, dtype=float)
     b, q = np.asarray(b, dtype=float), np.asarray(q, dtype=float)
@@ -53,7 +53,7 @@ def eq4_ell(
 
 @dataclass(frozen=True)
 class SurrogateParams:
-    """b = b_c * tau^b_e, q = q_c * TPP^q_e (PAPER.md section 5)."""
+    """b = b_c * tau^b_e, q = q_c * TPP^q_e (docs/method.md §5)."""
 
     b_c: float
     b_e: float
@@ -111,7 +111,7 @@ def fit_surrogate(
 ) -> SurrogateFit:
     """Fit (b_c, b_e, q_c, q_e) of Eq. 4 to normalized curves, alternating b and q.
 
-    Source: PAPER.md section 5. ``ell`` is (n_runs, n_grid) on ``grid``; ``tau``/``tpp`` per
+    Source: docs/method.md §5. ``ell`` is (n_runs, n_grid) on ``grid``; ``tau``/``tpp`` per
     run. Least squares on ell over ``fit_window`` (NaN points skipped). An exponent is
     identifiable only with two or more distinct values of its control; otherwise it is held at
     0 (the curve fits, but does not extrapolate in that control) and a note says so.

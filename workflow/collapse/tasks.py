@@ -1,4 +1,4 @@
-"""The paper's seven downstream tasks and their shot counts (PAPER.md section 8).
+"""The paper's seven downstream tasks and their shot counts (docs/method.md §8).
 
 One list for the config's validation and the evaluator, so the two cannot drift apart; each name
 has ``eval_tasks/<name>.yaml``.
