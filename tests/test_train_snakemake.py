@@ -1,5 +1,5 @@
 """A small size trains for real through Snakemake: plan, data, train. tiny_tpp5's d48 (the
-default family's smallest size before stop 18, 0.7M tokens) rather than tiny's d96 (3.2M tokens),
+experiments family config/family/experiments/tiny_tpp5.yaml, 0.7M tokens) rather than tiny's d96 (3.2M tokens),
 so that CI spends its minutes on the end-to-end family test instead."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from workflow_cli import run_snakemake
 
 pytestmark = [pytest.mark.slow, pytest.mark.ci]
-CONFIG = ("--config", "family=tiny_tpp5")
+CONFIG = ("--config", "family=experiments/tiny_tpp5")
 
 
 def test_a_small_size_trains_through_snakemake(tmp_path):
