@@ -276,6 +276,7 @@ def test_evaluate_run_scores_the_seven_tasks_offline(trained, tmp_path: Path, mo
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # 50 s on two cores
 def test_a_tensor_parallel_checkpoint_loads_resharded(trained, loaded):
     """A TP=2 run's checkpoint, loaded at TP=1, reproduces the held-out loss TP=2 training
     measured on the same batches."""

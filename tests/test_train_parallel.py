@@ -26,6 +26,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # the strongest check of the parallel layouts: 2.5 min on two cores
 @pytest.mark.parametrize(
     "layout",
     [
