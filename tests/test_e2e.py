@@ -69,6 +69,75 @@ def test_gates_and_collapse_statistics(smoke):
     assert ref.ell.iloc[-1] == pytest.approx(1.0)
 
 
+def test_gate_verdicts_follow_from_the_curves_and_the_reference(smoke, tmp_path):
+    """Each gate JSON the workflow wrote is the verdict of its own inputs: recomputed from the
+    run's curve and its band's reference through the analysis API it equals the file; the
+    threshold is max(floor, k_sigma x the largest seed std inside the window) of reference.csv,
+    by hand; and the status is what max |r| against that threshold says."""
+    from collapse import analysis as A
+    from collapse.config import load_config
+    from collapse.gates import GatePolicy
+
+    policy = GatePolicy(**load_config(["family=smoke"]).family.gates.model_dump())
+    runs = pd.read_csv(smoke / "plan" / "runs.csv")
+    reference = smoke / "reference" / "tpp4"
+    ref = pd.read_csv(reference / "reference.csv")
+    lo, hi = policy.window
+    inside = ref[(ref.t_hat >= lo) & (ref.t_hat <= hi)]
+    threshold = max(policy.floor, policy.k_sigma * inside.seed_std.max())
+    for run in runs[runs.role == "family"].run:
+        written = json.loads((smoke / "gates" / f"{run}.json").read_text())
+        again = A.gate_run(
+            smoke / "runs" / run / "curve.parquet", reference, smoke / "plan" / "runs.csv",
+            policy, tmp_path / f"{run}.json", None,
+        )  # fmt: skip
+        for key in ("status", "max_abs_residual", "at_t_hat", "threshold", "aligned_final_loss"):
+            assert again.model_dump(mode="json")[key] == pytest.approx(written[key]), (run, key)
+        assert written["threshold"] == pytest.approx(threshold, rel=1e-6), run
+        if written["status"] == "undetermined":
+            continue
+        assert abs(written["residual_at_max"]) == pytest.approx(written["max_abs_residual"])
+        assert lo <= written["at_t_hat"] <= hi
+        over = written["max_abs_residual"] > written["threshold"]
+        assert written["status"] == ("fail" if over else "pass"), written
+        assert (written["first_crossing_t_hat"] is not None) == over
+
+
+def test_report_tables_equal_their_sources(smoke):
+    """Every number the report's tables show is the number its stage wrote."""
+    report = smoke / "report"
+    gates = pd.read_csv(report / "gates.csv").set_index("run")
+    for path in (smoke / "gates").glob("*.json"):
+        verdict = json.loads(path.read_text())
+        row = gates.loc[verdict["run"]]
+        assert row.status == verdict["status"]
+        for key in ("max_abs_residual", "threshold"):
+            assert row[key] == pytest.approx(verdict[key], rel=1e-9), (verdict["run"], key)
+    summary = pd.read_csv(report / "collapse_summary.csv").set_index("tpp_band")
+    stats = json.loads((smoke / "collapse" / "tpp4" / "collapse.json").read_text())
+    assert summary.at[4, "score_mean_delta"] == pytest.approx(stats["score"], rel=1e-9)
+    assert summary.at[4, "delta_over_sigma_late"] == pytest.approx(
+        stats["delta_over_sigma"], rel=1e-9
+    )
+    family = pd.read_csv(report / "family_table.csv").set_index("run")
+    for run, row in family.iterrows():
+        verdict = json.loads((smoke / "gates" / f"{run}.json").read_text())
+        result = json.loads((smoke / "evals" / f"{run}.json").read_text())
+        assert row.final_train_loss == pytest.approx(verdict["final_loss"], rel=1e-6), run
+        assert row.heldout_loss == pytest.approx(result["heldout_loss"], rel=1e-9), run
+        assert row.downstream_avg_acc_pct == pytest.approx(100 * result["average_acc"]), run
+        assert row.gate == gates.at[run, "status"]
+    metrics = pd.read_csv(report / "sweep_metrics.csv")
+    source = pd.read_csv(smoke / "sweeps" / "tau" / "metrics.csv")
+    merged = metrics.merge(source, on=["method", "fraction"], suffixes=("", "_source"))
+    assert len(merged) == len(source)
+    assert merged.mean_abs_error_pct.to_numpy() == pytest.approx(
+        merged.mean_abs_error_pct_source.to_numpy(), rel=1e-9
+    )
+    detections = pd.read_csv(report / "detections.csv")
+    pd.testing.assert_frame_equal(detections, pd.read_csv(smoke / "faults" / "detections.csv"))
+
+
 def test_sweep_predictions_and_metrics(smoke):
     preds = pd.read_csv(smoke / "sweeps" / "tau" / "predictions.csv")
     assert set(preds.method) == {"collapse", "current", "powerlaw"}
