@@ -34,10 +34,12 @@ from collapse.curves import (
     size_labels,
     smooth,
 )
+from collapse.drift import DriftFit, fit_drift, predict_drift, size_coordinate
 from collapse.reference import ReferenceCurve, early_align, reference_curve
 from collapse.surrogate import SurrogateFit
 
 METHODS = ("collapse", "current", "powerlaw")
+DRIFT_METHOD = "drift"  # collapse with the size drift fitted on the reference sizes (drift.py)
 
 # Alignment window: [START_RATIO * fraction, fraction] of the partial curve, and never earlier
 # than MIN_START_T_HAT (the first steps of warm-up move fastest and collapse worst).
@@ -265,6 +267,11 @@ def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float 
     return reference_curve(resample(curves.select(runs)), offset=offset), list(runs)
 
 
+def drift_from_sizes(curves: Curves, reference_runs: Sequence[str]) -> DriftFit:
+    """L0 and the shape's drift with size, fitted on the reference runs (``collapse.drift``)."""
+    return fit_drift(resample(curves.select(reference_runs)))
+
+
 def surrogate_references(curves: Curves, fit: SurrogateFit) -> dict[str, ReferenceCurve]:
     """Each run's reference drawn from the Eq. 4 surrogate at the run's own tau and TPP.
 
@@ -295,6 +302,7 @@ def predict_runs(
     *,
     runs: Sequence[str] | None = None,
     offset: float = 0.0,
+    drift: DriftFit | None = None,
 ) -> pd.DataFrame:
     """Cut every run at each fraction of its own length and predict it by every method.
 
@@ -303,11 +311,14 @@ def predict_runs(
     step). A run that has not reached a fraction is skipped there. One row per run x fraction
     x method, columns PREDICTION_COLUMNS (plus ``sweep`` when the metadata has it).
     ``reference`` is one curve for every run, or one per run (``surrogate_references``).
+    With ``drift`` (``drift_from_sizes``) every run is also predicted by DRIFT_METHOD, at its
+    own size coordinate (``drift.size_coordinate``).
     """
     data = curves.data
     if "loss_smooth" not in data.columns:
         raise ValueError("curves have no loss_smooth column: call collapse.curves.smooth first")
     rows = []
+    size_x = size_coordinate(curves.meta)[0] if drift is not None else None
     by_run = dict(tuple(data.groupby("run", sort=False)))
     for run in runs if runs is not None else curves.runs:
         curve = by_run[run]
@@ -344,6 +355,20 @@ def predict_runs(
                         "lower": p.lower,
                         "upper": p.upper,
                         "method": method,
+                        "true_final_loss": truth,
+                        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
+                    }
+                )
+            if drift is not None:
+                p = predict_drift(t_hat[keep], loss[keep], drift, size_x[run], window)
+                rows.append(
+                    {
+                        "run": run,
+                        "fraction": float(fraction),
+                        "predicted_final_loss": p.final_loss,
+                        "lower": p.lower,
+                        "upper": p.upper,
+                        "method": DRIFT_METHOD,
                         "true_final_loss": truth,
                         "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
                     }
