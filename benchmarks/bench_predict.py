@@ -3,7 +3,7 @@
     python benchmarks/bench_predict.py                       # synthetic D2Z family
     python benchmarks/bench_predict.py --curves CURVES --reference-sizes S1,S2 [--sweep]
 
-The synthetic family draws Eq. 4 curves (PAPER.md section 5) under warmup + decay to zero with
+The synthetic family draws Eq. 4 curves (docs/method.md §5) under warmup + decay to zero with
 per-step batch noise and a slow per-seed drift, so the numbers show what the method can do when
 collapse holds. With --curves it runs the same prediction on real curves (any file `collapse
 predict` reads) and, with --sweep, prints the sweep metrics table (issue 5, item 6). Prints only.

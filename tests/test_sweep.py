@@ -1,6 +1,6 @@
 """Sweep metrics: a synthetic weight-decay sweep whose curves cross, and the report files.
 
-PAPER.md section 5: the variant ahead early ("current best") is not the one that ends best when
+docs/method.md §5: the variant ahead early ("current best") is not the one that ends best when
 the curves cross; the collapse prediction, with a reference per tau (Eq. 4, b = b_c tau^b_e),
 must still select the winner after 10-30 % of training.
 """
@@ -23,7 +23,7 @@ NOISE_REL = 0.01
 
 
 def b_of_tau(tau: float) -> float:
-    """Longer AdamW timescale, larger late drop: b = b_c tau^b_e (PAPER.md section 5)."""
+    """Longer AdamW timescale, larger late drop: b = b_c tau^b_e (docs/method.md §5)."""
     return 0.06 * (tau / 0.05) ** 0.6
 
 

@@ -1,4 +1,4 @@
-"""tiny_tpp5's real tau sweep on a CPU (issue 5; the default family before stop 18): three
+"""tiny_tpp5's real tau sweep on a CPU (an earlier default family): three
 variants at d96 cut at 10-30 % of training, each predicted against the small d48 run of its own
 tau, every variant also trained to the end for the truth. About 4.5 minutes on two cores (262 s
 measured), so marked slow and left out of CI's subset (the smoke family's sweep in the e2e test
