@@ -31,7 +31,7 @@ docs/method.md §9), one rule for every family.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -69,6 +69,7 @@ class DriftFit:
     spread_without_offset: float = float("nan")
     spread_with_offset: float = float("nan")
     notes: list[str] = field(default_factory=list)
+    replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
 
     def exponent(self, x: float) -> float:
         """a at size coordinate x under the continued-drift hypothesis."""
@@ -90,6 +91,8 @@ class DriftFit:
             },
             "relative_spread_without_offset": self.spread_without_offset,
             "relative_spread_with_offset": self.spread_with_offset,
+            "jackknife_offset_L0": [r.offset for r in self.replicas],
+            "jackknife_exponent_slope": [r.slope for r in self.replicas],
             "notes": list(self.notes),
         }
 
@@ -214,6 +217,27 @@ def fit_drift(
     )
 
 
+def fit_drift_jackknife(matrix: CurveMatrix) -> DriftFit:
+    """``fit_drift`` plus its replicas with each reference run left out in turn.
+
+    The replicas measure how much L0 and the slope rest on single seeds: ``predict_drift``
+    adds their jackknife spread to the bounds. A run is left out only where its size keeps
+    another run.
+    """
+    fit = fit_drift(matrix)
+    if len(fit.sizes) < 2:
+        return fit
+    labels = size_labels(matrix.meta).to_numpy()
+    replicas = []
+    for i in range(len(labels)):
+        if np.sum(labels == labels[i]) < 2:
+            continue
+        keep = np.ones(len(labels), dtype=bool)
+        keep[i] = False
+        replicas.append(fit_drift(matrix.select(keep)))
+    return replace(fit, replicas=replicas)
+
+
 @dataclass(frozen=True)
 class DriftPrediction:
     """The averaged prediction, both hypotheses, and the bounds (nats/token)."""
@@ -238,13 +262,26 @@ def predict_drift(
 
     Each hypothesis aligns L - L0 with its shape over ``window`` in log space
     (``reference.early_align``); the prediction is their mean. Bounds: the half difference of
-    the two combined in quadrature with the z-sigma misfit of the alignment.
+    the two, the z-sigma misfit of the alignment and z times the jackknife standard error over
+    the fit's replicas (``fit_drift_jackknife``), combined in quadrature.
     """
-    both = early_align(t_hat, loss, fit.t_hat, fit.ell(x, True), window=window, offset=fit.offset)
-    flat = early_align(t_hat, loss, fit.t_hat, fit.ell(x, False), window=window, offset=fit.offset)
+
+    def both_hypotheses(f: DriftFit):
+        kept = early_align(t_hat, loss, f.t_hat, f.ell(x, True), window=window, offset=f.offset)
+        flat = early_align(t_hat, loss, f.t_hat, f.ell(x, False), window=window, offset=f.offset)
+        return kept, flat
+
+    both, flat = both_hypotheses(fit)
     center = 0.5 * (both.final_loss + flat.final_loss)
     misfit = (center - fit.offset) * (np.exp(z * max(both.log_scatter, flat.log_scatter)) - 1)
-    half = float(np.hypot(0.5 * abs(both.final_loss - flat.final_loss), misfit))
+    jackknife = 0.0
+    if len(fit.replicas) > 1:
+        values = np.array(
+            [0.5 * sum(p.final_loss for p in both_hypotheses(r)) for r in fit.replicas]
+        )
+        n = len(values)
+        jackknife = z * float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+    half = float(np.linalg.norm([0.5 * abs(both.final_loss - flat.final_loss), misfit, jackknife]))
     return DriftPrediction(
         final_loss=float(center),
         lower=float(center - half),

@@ -35,7 +35,7 @@ from collapse.curves import (
     size_labels,
     smooth,
 )
-from collapse.drift import DriftFit, fit_drift, predict_drift, size_coordinate
+from collapse.drift import DriftFit, fit_drift_jackknife, predict_drift, size_coordinate
 from collapse.reference import ReferenceCurve, early_align, reference_curve
 from collapse.surrogate import SurrogateFit
 
@@ -269,8 +269,9 @@ def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float 
 
 
 def drift_from_sizes(curves: Curves, reference_runs: Sequence[str]) -> DriftFit:
-    """L0 and the shape's drift with size, fitted on the reference runs (``collapse.drift``)."""
-    return fit_drift(resample(curves.select(reference_runs)))
+    """L0 and the shape's drift with size, fitted on the reference runs (``collapse.drift``),
+    with its jackknife replicas for the bounds."""
+    return fit_drift_jackknife(resample(curves.select(reference_runs)))
 
 
 def surrogate_references(curves: Curves, fit: SurrogateFit) -> dict[str, ReferenceCurve]:
