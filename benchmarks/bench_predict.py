@@ -17,7 +17,19 @@ Synthetic families (docs/method.md §5 shape under warmup + decay to zero, 5 siz
 parameters, s1 and s2 the reference, 3 seeds each, per-step noise 1 %, 4 variants per predicted
 size whose final losses differ by 1-3 %): "offset" collapses after subtracting L0 = 1.5,
 "exponent" has a shape exponent drifting by -0.03 per unit log parameters, "both" has both.
-CURVES: any file `collapse predict` reads, with a size (or params) column. Prints only.
+CURVES: any file `collapse predict` reads, with a size (or params) column; Qiu et al.'s
+published µP-transformer curves convert with benchmarks/published_curves.py. Prints only.
+
+Measured (2 CPU cores, 2026-12-07; c5m and chess from published_curves.py, d768+d896 the
+reference), mean absolute error (%) of the final loss at 10 / 20 / 30 % of training:
+    family              collapse            drift               best baseline (powerlaw)
+    synthetic offset    1.37 1.32 1.23      0.43 0.41 0.40      10.2 8.55 4.96
+    synthetic exponent  1.00 0.96 0.92      0.86 0.83 0.79      20.5 17.3 10.3
+    synthetic both      1.49 1.43 1.34      0.49 0.47 0.45      12.0 10.1 5.88
+    c5m                 1.09 0.51 0.35      0.03 0.06 0.06      0.49 0.17 0.11
+    chess               2.98 1.89 1.47      0.23 0.29 0.26      1.12 0.45 0.28
+The drift method's bias still changes with size (|t| > 2 everywhere): over-prediction growing to
++0.1 % (c5m) and +0.5 % (chess) at the largest width, under-prediction on the synthetic ones.
 """
 
 from __future__ import annotations
