@@ -28,6 +28,8 @@ reference), mean absolute error (%) of the final loss at 10 / 20 / 30 % of train
     synthetic both      1.49 1.43 1.34      0.49 0.47 0.45      12.0 10.1 5.88
     c5m                 1.09 0.51 0.35      0.03 0.06 0.06      0.49 0.17 0.11
     chess               2.98 1.89 1.47      0.23 0.29 0.26      1.12 0.45 0.28
+    tiny_spike          7.36 9.38 11.2      3.71 5.92 8.48      31.5 32.4 20.6
+(tiny_spike: benchmarks/data, reference d48+d64; a CPU family that does not collapse.)
 The drift method's bias still changes with size (|t| > 2 everywhere): over-prediction growing to
 +0.1 % (c5m) and +0.5 % (chess) at the largest width, under-prediction on the synthetic ones.
 """
