@@ -132,3 +132,45 @@ def test_bias_slope_matches_scipy():
     assert got["slope_pct_per_unit_x"] == pytest.approx(ref.slope)
     assert got["slope_se"] == pytest.approx(ref.stderr)
     assert got["t"] == pytest.approx(ref.slope / ref.stderr)
+
+
+def run_cli(argv: list[str]) -> int:
+    from collapse.cli import build_parser
+
+    args = build_parser({"predict": "collapse.predict"}).parse_args(["predict", *argv])
+    return args.func(args)
+
+
+def test_cli_prints_the_fit_and_the_bias_by_size(tmp_path, capsys):
+    frame = synthetic_family(
+        FINALS,
+        seeds=2,
+        steps=1000,
+        noise_rel=0.0,
+        wiggle_rel=0.0,
+        seed_spread_rel=0.0,
+        offset=1.5,
+        n_params=N_PARAMS,
+    )
+    frame.to_csv(tmp_path / "curves.csv", index=False)
+    argv = [str(tmp_path / "curves.csv"), "--fraction", "0.3", "--out", str(tmp_path / "out")]
+    assert run_cli([*argv, "--reference-sizes", "s1,s2"]) == 0
+    out = capsys.readouterr().out
+    assert "offset L0 = 1.5" in out and "bias by size" in out
+    by_size = pd.read_csv(tmp_path / "out" / "bias_by_size.csv")
+    drift_rows = by_size[by_size["method"] == DRIFT_METHOD]
+    assert list(drift_rows["size"]) == ["s3", "s4", "s5"]
+    assert drift_rows["bias_pct"].abs().max() < 0.05
+    # one reference size: nothing to fit a drift from, and the user is told so
+    assert run_cli([*argv, "--reference-sizes", "s1"]) == 0
+    assert "one reference size" in capsys.readouterr().err
+
+
+def test_cli_without_a_size_number_skips_the_drift_method(tmp_path, capsys):
+    frame = synthetic_family({"small": 3.2, "large": 3.0}, seeds=2, steps=1000)
+    frame.to_csv(tmp_path / "curves.csv", index=False)
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "curves.csv"), "--reference-sizes", "small", "--fraction", "0.3"]
+    assert run_cli([*argv, "--out", str(out)]) == 0
+    assert "no drift method" in capsys.readouterr().err
+    assert DRIFT_METHOD not in set(pd.read_csv(out / "predictions.csv")["method"])
