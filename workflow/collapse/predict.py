@@ -476,8 +476,9 @@ method:
     current    the smoothed loss at F
     powerlaw   L(t) = a + b t^-c fitted on the window (a >= L0, b >= 0), extrapolated to 1
   lower/upper: collapse: 2-sigma misfit and reference band; drift: half the gap between its
-  two hypotheses and the 2-sigma misfit; current: noise of the reading; powerlaw: every
-  exponent that fits within twice the best squared error.
+  two hypotheses, the 2-sigma misfit and 2 jackknife standard errors (each reference run left
+  out in turn); current: noise of the reading; powerlaw: every exponent that fits within
+  twice the best squared error.
 
 output: OUT/predictions.csv with columns run, fraction, predicted_final_loss, lower, upper,
   method, true_final_loss, abs_error_pct (the last two NaN for runs that are not complete);
