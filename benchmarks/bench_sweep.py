@@ -1,4 +1,4 @@
-"""Benchmark: a family's early-stopped sweep, validated to the end (issue 5, item 6).
+"""Benchmark: a family's early-stopped sweep, validated to the end.
 
     python benchmarks/bench_sweep.py                      # the tiny family's tau sweep
     python benchmarks/bench_sweep.py --family smoke --cores 2
@@ -7,7 +7,7 @@ Runs (or finds already run) the sweep's Snakemake target with every variant trai
 (``validate_full``, switched on here when the family stops its sweep early: the variants then
 resume from their last checkpoint), then prints, per method and stopping fraction, the mean
 absolute error of the predicted final loss, the selection regret and the compute spent, and
-checks the issue's targets: MAE at 30 % of training at most 1 %, and a zero-regret selection
+checks the targets: MAE at 30 % of training at most 1 %, and a zero-regret selection
 after at most 30 % of the sweep's full compute. The small full-length reference runs (one per
 tau) are counted separately.
 Prints only.

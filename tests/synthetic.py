@@ -17,6 +17,9 @@ def synthetic_family(
     wiggle_rel: float = 0.001,
     seed_spread_rel: float = 0.01,
     rng_seed: int = 0,
+    offset: float = 0.0,
+    n_params: dict[str, float] | None = None,
+    exponent_slope: float = 0.0,
 ) -> pd.DataFrame:
     """A long curve table (run, step, loss + size, seed, tau, tpp, steps) from Eq. 4.
 
@@ -28,14 +31,17 @@ def synthetic_family(
     rng = np.random.default_rng(rng_seed)
     step = np.arange(1, steps + 1)
     frames = []
+    first = next(iter(n_params.values())) if n_params else 1.0
     for size, final in final_losses.items():
+        exponent = 1.0 + exponent_slope * np.log(n_params[size] / first) if n_params else 1.0
         size_tau = tau[size] if isinstance(tau, dict) else tau
         b, q = float(params.b(size_tau)), float(params.q(tpp))
         for seed in range(seeds):
             seed_final = final * (1 + seed_spread_rel * rng.standard_normal())
-            loss = synthetic_loss(
-                step / steps, seed_final, b, q, params.warmup_fraction, noise_rel, wiggle_rel, rng
+            ell = synthetic_loss(
+                step / steps, 1.0, b, q, params.warmup_fraction, noise_rel, wiggle_rel, rng
             )
+            loss = offset + (seed_final - offset) * ell**exponent
             frames.append(
                 pd.DataFrame(
                     {
@@ -50,4 +56,6 @@ def synthetic_family(
                     }
                 )
             )
+            if n_params:
+                frames[-1]["params"] = n_params[size]
     return pd.concat(frames, ignore_index=True)

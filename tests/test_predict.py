@@ -1,11 +1,13 @@
 """Final-loss prediction from partial curves on synthetic families of known truth.
 
-Every curve is an Eq. 4 surrogate shape under linear warmup + decay to zero (PAPER.md section 5)
+Every curve is an Eq. 4 surrogate shape under linear warmup + decay to zero (docs/method.md §5)
 times a per-run final loss, plus batch noise: the late D2Z drop is what makes "current" and
 naive power laws overestimate, and what the collapse method must get right.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pandas as pd
@@ -196,8 +198,14 @@ def test_cli_predicts_runs_outside_the_reference(tmp_path, capsys):
         "abs_error_pct",
     ]
     assert sorted(table["run"].unique()) == ["big_0", "big_1", "big_2", "big_3"]
-    # three complete runs x 3 fractions, the run stopped at 40 % only at 0.1 and 0.3; 3 methods
-    assert len(table) == 3 * (3 * 3 + 2)
+    # three complete runs x 3 fractions, the run stopped at 40 % only at 0.1 and 0.3; four
+    # methods: the three of predict_final_loss and the drift fitted on the two reference sizes
+    assert len(table) == 4 * (3 * 3 + 2)
+    assert set(table["method"]) == {*METHODS, "drift"}
+    drift = json.loads((out / "drift.json").read_text())
+    assert set(drift["reference_sizes"]) == {"s1", "s2"}
+    by_size = pd.read_csv(out / "bias_by_size.csv")
+    assert set(by_size["size"]) == {"s3"} and (by_size["n_runs"] == 3).all()
     partial = table[table["run"] == "big_3"]
     assert sorted(partial["fraction"].unique()) == [0.1, 0.3]
     assert partial["true_final_loss"].isna().all() and partial["abs_error_pct"].isna().all()

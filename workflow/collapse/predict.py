@@ -1,6 +1,6 @@
 """Predict a run's final loss from a partial curve, to stop losing sweep settings early.
 
-Source: PAPER.md section 5 (Bergsma et al. 2025, arXiv 2509.25087): the divisor L(T) that best
+Source: docs/method.md §5 (Bergsma et al. 2025, arXiv 2509.25087): the divisor L(T) that best
 aligns the partial normalized curve with the same segment of the reference curve is the
 predicted final loss. Two baselines sit beside it, because the paper compares against them:
 "current" (the loss now) and a power-law extrapolation of the partial curve. Under a
@@ -15,6 +15,7 @@ cutting of whole curve tables.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,10 +35,12 @@ from collapse.curves import (
     size_labels,
     smooth,
 )
+from collapse.drift import DriftFit, fit_drift_jackknife, predict_drift, size_coordinate
 from collapse.reference import ReferenceCurve, early_align, reference_curve
 from collapse.surrogate import SurrogateFit
 
 METHODS = ("collapse", "current", "powerlaw")
+DRIFT_METHOD = "drift"  # collapse with the size drift fitted on the reference sizes (drift.py)
 
 # Alignment window: [START_RATIO * fraction, fraction] of the partial curve, and never earlier
 # than MIN_START_T_HAT (the first steps of warm-up move fastest and collapse worst).
@@ -112,7 +115,7 @@ def predict_collapse(
 ) -> Prediction:
     """Early-align the partial curve with the reference; the divisor is the final loss.
 
-    Source: PAPER.md sections 3 and 5: ell(t_hat) = (L(t_hat T) - L0) / (L(T) - L0), so over the
+    Source: docs/method.md §3 and §5: ell(t_hat) = (L(t_hat T) - L0) / (L(T) - L0), so over the
     window L - L0 = c * ell_ref with c = L(T) - L0, fitted in log space by
     ``reference.early_align``. Bounds: its misfit band (z = 2 standard deviations of the log
     residuals; not divided by the number of points, since residuals of a smoothed curve are
@@ -153,7 +156,7 @@ def predict_collapse(
 def predict_current(t_hat, loss, *, window: tuple[float, float] | None = None) -> Prediction:
     """Baseline "current best": the smoothed loss at the stopping point is the final loss.
 
-    Source: PAPER.md section 5 (the run ahead at the stopping point). Bounds: plus/minus the RMS
+    Source: docs/method.md §5 (the run ahead at the stopping point). Bounds: plus/minus the RMS
     scatter of the loss about a straight line over the window, i.e. how noisy the reading is.
     """
     t, y = _as_curve(t_hat, loss, "partial curve")
@@ -250,7 +253,7 @@ PREDICTION_COLUMNS = (
 def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float = 0.0):
     """The reference curve of the named sizes' complete runs (normalized, averaged).
 
-    Source: PAPER.md section 5, step 1. ``curves`` must be smoothed (``curves.smooth``).
+    Source: docs/method.md §5, step 1. ``curves`` must be smoothed (``curves.smooth``).
     """
     labels = size_labels(curves.meta)
     wanted = [str(s).strip() for s in sizes if str(s).strip()]
@@ -265,10 +268,16 @@ def reference_from_sizes(curves: Curves, sizes: Sequence[str], *, offset: float 
     return reference_curve(resample(curves.select(runs)), offset=offset), list(runs)
 
 
+def drift_from_sizes(curves: Curves, reference_runs: Sequence[str]) -> DriftFit:
+    """L0 and the shape's drift with size, fitted on the reference runs (``collapse.drift``),
+    with its jackknife replicas for the bounds."""
+    return fit_drift_jackknife(resample(curves.select(reference_runs)))
+
+
 def surrogate_references(curves: Curves, fit: SurrogateFit) -> dict[str, ReferenceCurve]:
     """Each run's reference drawn from the Eq. 4 surrogate at the run's own tau and TPP.
 
-    Source: PAPER.md section 5: the parametric curve gives a reference for controls that were
+    Source: docs/method.md §5: the parametric curve gives a reference for controls that were
     never run. The band is +- the fit's mean absolute error; there is no seed noise.
     """
     missing = [c for c in ("tau", "tpp") if c not in curves.meta.columns]
@@ -295,6 +304,7 @@ def predict_runs(
     *,
     runs: Sequence[str] | None = None,
     offset: float = 0.0,
+    drift: DriftFit | None = None,
 ) -> pd.DataFrame:
     """Cut every run at each fraction of its own length and predict it by every method.
 
@@ -303,11 +313,14 @@ def predict_runs(
     step). A run that has not reached a fraction is skipped there. One row per run x fraction
     x method, columns PREDICTION_COLUMNS (plus ``sweep`` when the metadata has it).
     ``reference`` is one curve for every run, or one per run (``surrogate_references``).
+    With ``drift`` (``drift_from_sizes``) every run is also predicted by DRIFT_METHOD, at its
+    own size coordinate (``drift.size_coordinate``).
     """
     data = curves.data
     if "loss_smooth" not in data.columns:
         raise ValueError("curves have no loss_smooth column: call collapse.curves.smooth first")
     rows = []
+    size_x = size_coordinate(curves.meta)[0] if drift is not None else None
     by_run = dict(tuple(data.groupby("run", sort=False)))
     for run in runs if runs is not None else curves.runs:
         curve = by_run[run]
@@ -348,10 +361,91 @@ def predict_runs(
                         "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
                     }
                 )
+            if drift is not None:
+                p = predict_drift(t_hat[keep], loss[keep], drift, size_x[run], window)
+                rows.append(
+                    {
+                        "run": run,
+                        "fraction": float(fraction),
+                        "predicted_final_loss": p.final_loss,
+                        "lower": p.lower,
+                        "upper": p.upper,
+                        "method": DRIFT_METHOD,
+                        "true_final_loss": truth,
+                        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
+                    }
+                )
     table = pd.DataFrame(rows, columns=list(PREDICTION_COLUMNS))
     if "sweep" in curves.meta.columns:
         table["sweep"] = table["run"].map(curves.meta["sweep"]).fillna("").astype(str)
     return table
+
+
+# ---------------------------------------------------------------- bias with size
+
+
+def bias_by_size(table: pd.DataFrame, meta: pd.DataFrame, drift: DriftFit | None = None):
+    """Mean signed error (%) per method, fraction and size of the complete runs in ``table``.
+
+    Columns: method, fraction, size, x (the size coordinate, ``drift.size_coordinate``; NaN
+    when the sizes carry no number), n_runs, bias_pct (100 (predicted - true) / true, averaged),
+    abs_error_pct, and for the drift method the shape exponent it assumed at that size.
+    """
+    done = table.dropna(subset=["true_final_loss"])
+    labels = size_labels(meta)
+    try:
+        x = size_coordinate(meta)[0]
+    except ValueError:
+        x = pd.Series(np.nan, index=meta.index)
+    frame = done.assign(
+        size=done["run"].map(labels),
+        x=done["run"].map(x),
+        bias_pct=100
+        * (done["predicted_final_loss"] - done["true_final_loss"])
+        / done["true_final_loss"],
+    )
+    out = (
+        frame.groupby(["method", "fraction", "size"], sort=False)
+        .agg(
+            x=("x", "mean"),
+            n_runs=("run", "size"),
+            bias_pct=("bias_pct", "mean"),
+            abs_error_pct=("abs_error_pct", "mean"),
+        )
+        .reset_index()
+        .sort_values(["method", "fraction", "x", "size"], kind="stable")
+    )
+    if drift is not None:
+        assumed = out["x"].map(lambda v: drift.exponent(v) if np.isfinite(v) else np.nan)
+        out["drift_exponent"] = np.where(out["method"] == DRIFT_METHOD, assumed, np.nan)
+    return out.reset_index(drop=True)
+
+
+def bias_slope(by_size: pd.DataFrame) -> pd.DataFrame:
+    """Slope of the per-size bias (%) against the size coordinate, with its standard error.
+
+    One row per method and fraction: slope_pct_per_unit_x, its standard error from ordinary
+    least squares over the sizes, and t = slope / se (|t| > 2: the bias grows with size).
+    NaN where fewer than three sizes have a coordinate.
+    """
+    rows = []
+    for (method, fraction), group in by_size.groupby(["method", "fraction"], sort=False):
+        g = group.dropna(subset=["x", "bias_pct"])
+        slope = se = np.nan
+        if len(g) >= 3:
+            (slope, intercept), cov = np.polyfit(g["x"], g["bias_pct"], 1, cov="unscaled")
+            resid = g["bias_pct"] - (slope * g["x"] + intercept)
+            se = float(np.sqrt(cov[0, 0] * np.sum(resid**2) / (len(g) - 2)))
+        rows.append(
+            {
+                "method": method,
+                "fraction": fraction,
+                "slope_pct_per_unit_x": slope,
+                "slope_se": se,
+                "t": slope / se if se and np.isfinite(se) and se > 0 else np.nan,
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 # ---------------------------------------------------------------- command line
@@ -372,16 +466,25 @@ input (CURVES, the same as `collapse analyze`):
 method:
   the loss is smoothed by a trailing moving average (2 % of a run, at most 100 steps). Each run
   not in the reference is cut at fraction F of its own length; over the alignment window
-  t_hat [max(0.2 F, 0.02), F] three predictions of its final loss are made:
+  t_hat [max(0.2 F, 0.02), F] its final loss is predicted by
     collapse   the divisor L(T) that aligns (L - L0)/(L(T) - L0) with the reference
-               (PAPER.md section 5)
+               (docs/method.md §5): the paper's method, shape assumed the same at every size
+    drift      (with --reference-sizes of two or more sizes) collapse with what the reference
+               sizes show about size: a fitted offset L0 and a drift of the shape exponent with
+               log parameters (else log flops, else the size label's number); the mean of the
+               "offset only" and "drift continues" predictions
     current    the smoothed loss at F
     powerlaw   L(t) = a + b t^-c fitted on the window (a >= L0, b >= 0), extrapolated to 1
-  lower/upper: collapse: 2-sigma misfit and reference band; current: noise of the reading;
-  powerlaw: every exponent that fits within twice the best squared error.
+  lower/upper: collapse: 2-sigma misfit and reference band; drift: half the gap between its
+  two hypotheses, the 2-sigma misfit and 2 jackknife standard errors (each reference run left
+  out in turn); current: noise of the reading; powerlaw: every exponent that fits within
+  twice the best squared error.
 
 output: OUT/predictions.csv with columns run, fraction, predicted_final_loss, lower, upper,
   method, true_final_loss, abs_error_pct (the last two NaN for runs that are not complete);
+  with --reference-sizes also OUT/drift.json (the fitted L0, exponent slope, each reference
+  size's exponent) and, for complete runs, OUT/bias_by_size.csv (mean signed error per
+  method, fraction and size, and the exponent the drift method assumed there);
   with --sweep-report also OUT/sweep_metrics.{csv,md,png,pdf}.
 """
 
@@ -391,8 +494,9 @@ def add_cli(subparsers) -> None:
         "predict",
         help="predict final losses from partial curves (early stopping)",
         description="Predict each run's final loss from the first fraction(s) of its loss "
-        "curve by aligning it with a reference curve (Bergsma et al. 2025, section 5), beside "
-        "the 'current loss' and power-law baselines.",
+        "curve by aligning it with a reference curve (Bergsma et al. 2025, section 5), with "
+        "and without a size drift fitted on the reference sizes, beside the 'current loss' and "
+        "power-law baselines.",
         epilog=INPUT_FORMAT,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -439,6 +543,27 @@ def add_cli(subparsers) -> None:
     parser.set_defaults(func=_cli)
 
 
+def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | None:
+    """The drift fit of ``--reference-sizes``, printed and written; None without them."""
+    if not reference_runs:
+        return None
+    try:
+        size_coordinate(curves.meta.loc[list(reference_runs) + list(targets)])
+    except ValueError as err:
+        print(f"note: no drift method: {err}", file=sys.stderr)
+        return None
+    drift = drift_from_sizes(curves, reference_runs)
+    print(
+        f"drift fitted on sizes {', '.join(drift.sizes)}: offset L0 = {drift.offset:.5g} "
+        f"nats/token, shape exponent a = 1 + {drift.slope:.4g} (x - {drift.x_ref:.4g}), "
+        f"x = {drift.coordinate}; relative spread of the reference sizes' log ell "
+        f"{drift.spread_without_offset:.3g} without L0, {drift.spread_with_offset:.3g} with it"
+    )
+    for note in drift.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return drift
+
+
 def _cli(args: argparse.Namespace) -> int:
     """Exit status 0, or 2 with one ``error: ...`` line for bad input or flags."""
     try:
@@ -460,18 +585,31 @@ def _cli(args: argparse.Namespace) -> int:
         targets = [r for r in curves.runs if r not in set(reference_runs)]
         if not targets:
             raise ValueError("every run belongs to the reference: give curves of other runs too")
-        table = predict_runs(curves, reference, args.fraction, runs=targets, offset=args.offset)
+        drift = _fit_drift_for_cli(curves, reference_runs, targets)
+        table = predict_runs(
+            curves, reference, args.fraction, runs=targets, offset=args.offset, drift=drift
+        )
         if table.empty:
             raise ValueError(
                 f"no run reached fraction {min(args.fraction)}; give smaller --fraction values"
             )
         args.out.mkdir(parents=True, exist_ok=True)
         table.to_csv(args.out / "predictions.csv", index=False, float_format="%.6g")
+        if drift is not None:
+            (args.out / "drift.json").write_text(json.dumps(drift.to_dict(), indent=2) + "\n")
         print(f"predicted {table['run'].nunique()} runs -> {args.out / 'predictions.csv'}")
         if table["true_final_loss"].notna().any():
             summary = table.pivot_table("abs_error_pct", "fraction", "method", aggfunc="mean")
             print("mean absolute error of the predicted final loss (%), complete runs:")
             print(summary.round(2).to_string())
+            by_size = bias_by_size(table, curves.meta, drift)
+            by_size.to_csv(args.out / "bias_by_size.csv", index=False, float_format="%.6g")
+            print("bias by size: mean of 100 (predicted - true) / true (%), complete runs:")
+            print(
+                by_size.pivot_table("bias_pct", ["method", "fraction"], "size", sort=False)
+                .round(3)
+                .to_string()
+            )
         if args.sweep_report:
             from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
 

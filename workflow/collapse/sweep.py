@@ -1,6 +1,6 @@
 """How well early stopping tunes a sweep: error, selection regret and compute, per method.
 
-Source: PAPER.md section 5. Each variant of a sweep trains to a fraction of its full-length
+Source: docs/method.md §5. Each variant of a sweep trains to a fraction of its full-length
 schedule; a method predicts every variant's final loss and the lowest prediction is selected.
 With the true final losses (a validated sweep trains every variant to the end) this module
 measures, per method and fraction, the mean absolute error of the predictions, the regret of

@@ -1,0 +1,176 @@
+"""The size-aware collapse prediction (collapse.drift) on synthetic families of known drift.
+
+Each family is drawn by tests/synthetic.py with a known offset L0 (curves collapse only after
+subtracting it) or a known drift of the shape exponent with log parameters; the fit sees the
+reference sizes only, and its numbers are checked against the values the family was built
+with or against hand arithmetic and scipy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+from synthetic import synthetic_family
+
+from collapse.curves import curves_from_frame, resample, smooth
+from collapse.drift import fit_drift, predict_drift
+from collapse.predict import (
+    DRIFT_METHOD,
+    alignment_window,
+    bias_by_size,
+    bias_slope,
+    drift_from_sizes,
+    predict_runs,
+    reference_from_sizes,
+)
+
+FINALS = {"s1": 3.2, "s2": 3.0, "s3": 2.8, "s4": 2.65, "s5": 2.5}
+N_PARAMS = {"s1": 1e6, "s2": 2e6, "s3": 4e6, "s4": 8e6, "s5": 16e6}
+REFERENCE = ["s1", "s2"]
+
+
+def family(offset=0.0, slope=0.0, noise=0.0, seeds=2):
+    frame = synthetic_family(
+        FINALS,
+        seeds=seeds,
+        steps=1000,
+        noise_rel=noise,
+        wiggle_rel=0.0,
+        seed_spread_rel=0.0,
+        offset=offset,
+        n_params=N_PARAMS,
+        exponent_slope=slope,
+    )
+    return smooth(curves_from_frame(frame))
+
+
+def reference_matrix(curves):
+    runs = curves.meta.index[curves.meta["size"].isin(REFERENCE)]
+    return resample(curves.select(runs))
+
+
+def test_recovers_a_known_offset_and_no_exponent_drift():
+    fit = fit_drift(reference_matrix(family(offset=1.5)))
+    assert fit.offset == pytest.approx(1.5, abs=2e-3)
+    assert fit.slope == pytest.approx(0.0, abs=2e-3)
+    assert fit.spread_with_offset < 0.01 * fit.spread_without_offset
+    assert fit.sizes == REFERENCE and fit.coordinate == "log params"
+
+
+def test_recovers_a_known_exponent_drift_with_the_offset_held():
+    """ell_i = ell0 ** a_i, a_i = 1 + k log(N_i / N_1); the fit divides by the mean exponent.
+
+    By hand: g = mean_i log ell_i = abar log ell0, so the fitted a_i = a_i / abar and the
+    slope against log N is k / abar.
+    """
+    k = -0.05
+    fit = fit_drift(reference_matrix(family(slope=k)), offset=0.0)
+    a = 1 + k * np.log([1.0, 2.0])
+    assert fit.exponents == pytest.approx(list(a / a.mean()), abs=1e-3)
+    assert fit.slope == pytest.approx(k / a.mean(), rel=0.02)
+    assert fit.x_ref == pytest.approx(np.mean(np.log([1e6, 2e6])))
+
+
+def test_one_reference_size_fits_no_drift_and_says_so():
+    curves = family(offset=1.5)
+    runs = curves.meta.index[curves.meta["size"] == "s1"]
+    fit = fit_drift(resample(curves.select(runs)))
+    assert fit.offset == 0.0 and fit.slope == 0.0
+    assert "one reference size" in fit.notes[0]
+
+
+@pytest.mark.parametrize(("offset", "slope"), [(1.5, 0.0), (0.0, -0.03)])
+def test_drift_method_removes_the_bias_that_grows_with_size(offset, slope):
+    """The paper's method misses more the larger the size; the drift method does not."""
+    curves = family(offset=offset, slope=slope, noise=0.005)
+    reference, reference_runs = reference_from_sizes(curves, REFERENCE)
+    drift = drift_from_sizes(curves, reference_runs)
+    targets = [r for r in curves.runs if r not in set(reference_runs)]
+    table = predict_runs(curves, reference, (0.1, 0.2, 0.3), runs=targets, drift=drift)
+    by_size = bias_by_size(table, curves.meta, drift)
+    paper = by_size[(by_size["method"] == "collapse") & (by_size["fraction"] == 0.3)]
+    ours = by_size[(by_size["method"] == DRIFT_METHOD) & (by_size["fraction"] == 0.3)]
+    assert paper["bias_pct"].abs().iloc[-1] > 2 * paper["bias_pct"].abs().iloc[0] > 0.2
+    mae = table.groupby("method")["abs_error_pct"].mean()
+    assert mae[DRIFT_METHOD] < 0.25 * mae["collapse"]
+    assert mae[DRIFT_METHOD] < mae["powerlaw"]
+    assert ours["bias_pct"].abs().max() < 0.3
+    slopes = bias_slope(by_size).set_index(["method", "fraction"])
+    assert abs(slopes.loc[("collapse", 0.3), "t"]) > 2  # the paper's bias grows with size
+    assert ours["drift_exponent"].notna().all()
+
+
+def test_bounds_span_both_hypotheses():
+    curves = family(slope=-0.03)
+    fit = fit_drift(reference_matrix(curves))
+    run = curves.data[curves.data["run"] == "s5_s0"]
+    keep = run["t_hat"] <= 0.3
+    p = predict_drift(
+        run["t_hat"][keep].to_numpy(),
+        run["loss_smooth"][keep].to_numpy(),
+        fit,
+        np.log(16e6),
+        alignment_window(0.3),
+    )
+    assert p.final_loss == pytest.approx(0.5 * (p.offset_only + p.continued_drift))
+    assert p.lower <= min(p.offset_only, p.continued_drift)
+    assert p.upper >= max(p.offset_only, p.continued_drift)
+    assert p.exponent == pytest.approx(fit.exponent(np.log(16e6)))
+
+
+def test_bias_slope_matches_scipy():
+    rng = np.random.default_rng(0)
+    x = np.log([1e6, 2e6, 4e6, 8e6, 16e6])
+    bias = 0.1 * x + rng.normal(0, 0.05, len(x))
+    by_size = pd.DataFrame(
+        {"method": "m", "fraction": 0.3, "size": list("abcde"), "x": x, "bias_pct": bias}
+    )
+    got = bias_slope(by_size).iloc[0]
+    ref = stats.linregress(x, bias)
+    assert got["slope_pct_per_unit_x"] == pytest.approx(ref.slope)
+    assert got["slope_se"] == pytest.approx(ref.stderr)
+    assert got["t"] == pytest.approx(ref.slope / ref.stderr)
+
+
+def run_cli(argv: list[str]) -> int:
+    from collapse.cli import build_parser
+
+    args = build_parser({"predict": "collapse.predict"}).parse_args(["predict", *argv])
+    return args.func(args)
+
+
+def test_cli_prints_the_fit_and_the_bias_by_size(tmp_path, capsys):
+    frame = synthetic_family(
+        FINALS,
+        seeds=2,
+        steps=1000,
+        noise_rel=0.0,
+        wiggle_rel=0.0,
+        seed_spread_rel=0.0,
+        offset=1.5,
+        n_params=N_PARAMS,
+    )
+    frame.to_csv(tmp_path / "curves.csv", index=False)
+    argv = [str(tmp_path / "curves.csv"), "--fraction", "0.3", "--out", str(tmp_path / "out")]
+    assert run_cli([*argv, "--reference-sizes", "s1,s2"]) == 0
+    out = capsys.readouterr().out
+    assert "offset L0 = 1.5" in out and "bias by size" in out
+    by_size = pd.read_csv(tmp_path / "out" / "bias_by_size.csv")
+    drift_rows = by_size[by_size["method"] == DRIFT_METHOD]
+    assert list(drift_rows["size"]) == ["s3", "s4", "s5"]
+    assert drift_rows["bias_pct"].abs().max() < 0.05
+    # one reference size: nothing to fit a drift from, and the user is told so
+    assert run_cli([*argv, "--reference-sizes", "s1"]) == 0
+    assert "one reference size" in capsys.readouterr().err
+
+
+def test_cli_without_a_size_number_skips_the_drift_method(tmp_path, capsys):
+    frame = synthetic_family({"small": 3.2, "large": 3.0}, seeds=2, steps=1000)
+    frame.to_csv(tmp_path / "curves.csv", index=False)
+    out = tmp_path / "out"
+    argv = [str(tmp_path / "curves.csv"), "--reference-sizes", "small", "--fraction", "0.3"]
+    assert run_cli([*argv, "--out", str(out)]) == 0
+    assert "no drift method" in capsys.readouterr().err
+    assert DRIFT_METHOD not in set(pd.read_csv(out / "predictions.csv")["method"])

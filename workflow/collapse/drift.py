@@ -1,0 +1,300 @@
+"""How the normalized curve drifts with size, fitted on the reference sizes, for prediction.
+
+Source: docs/method.md §5 (prediction) and §9 (choices the paper leaves open). The paper's
+predictor treats the reference's normalized shape as size-free. Measured on families that
+collapse only approximately, its error then grows with the distance in size between the
+reference and the predicted run (under-prediction on Qiu et al.'s µP transformers, whose larger
+widths are flatter; over-prediction on a CPU family whose larger widths are steeper). Two
+corrections are fitted here, from the complete curves of the reference sizes only:
+
+offset L0
+    Qiu et al. (2025, "Scaling collapse reveals universal dynamics in compute-optimally trained
+    neural networks") normalize L - L0 with a fitted irreducible loss. Here L0 is the value
+    that makes the reference sizes' normalized curves (L - L0) / (L(T) - L0) agree best:
+    it minimizes the relative error of predicting each reference size's mean curve from another
+    size's normalized shape, over t_hat in DRIFT_FIT_RANGE (an error in loss units: an L0 just
+    below the final losses, which inflates ell, is penalized, and one far below them tends to
+    curves that differ by a constant). A negative L0 is allowed: it is what a family whose
+    larger sizes are steeper needs, a fitting device rather than an irreducible loss.
+exponent drift
+    What L0 leaves: each reference size's log ell is fitted as a_i * g(t_hat), g the mean over
+    sizes, and a_i = 1 + slope * (x_i - x_ref) with x = log parameters (else log FLOPs, else
+    log of the number in the size label). A predicted size at x gets the shape
+    exp((1 + slope * (x - x_ref)) * g).
+
+The prediction ("drift" method) averages the two hypotheses about what happens beyond the
+reference sizes, "the drift is all offset" (a = 1) and "the exponent drift continues
+linearly in log size", because two reference sizes cannot tell them apart and extrapolating
+the slope alone overshoots on measured families; the half difference between the two is part
+of the prediction's uncertainty. The choice was made by measurement (benchmarks/bench_predict.py,
+docs/method.md §9), one rule for every family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize_scalar
+
+from collapse.curves import CurveMatrix, _size_number, nan_columns_expected, size_labels
+from collapse.reference import BAND_Z, early_align
+from collapse.surrogate import FIT_WINDOW
+
+# t_hat span the reference sizes are compared over: the surrogate's fit window (docs/method.md
+# §2: fits ignore the first 20 % of training). Measured against (0.02, 1): the fitted L0 lands
+# on the one Qiu et al. fitted from their final losses (CIFAR-5M 3.133 vs 3.132, chess 0.567 vs
+# 0.542, against 3.148 and 0.579) and the error at 30 % drops from 0.061 to 0.008 % (CIFAR-5M),
+# 0.26 to 0.15 % (chess) and 8.5 to 7.0 % (the CPU family); on the synthetic families it rises
+# from 0.40-0.79 to 0.47-0.93 %.
+DRIFT_FIT_RANGE = FIT_WINDOW
+OFFSET_CEILING = 1 - 1e-6  # L0 stays below the lowest reference final loss (numerical guard)
+OFFSET_FLOOR = -1.0  # ... and above this multiple of it (a negative L0: larger sizes steeper)
+
+
+@dataclass(frozen=True)
+class DriftFit:
+    """What the size-aware prediction assumes, all fitted on the reference sizes.
+
+    ``offset``: L0 (nats/token); ``slope``: d a / d x, the change of the shape exponent per
+    unit of ``coordinate`` (log parameters, log FLOPs or log of the size label's number);
+    ``x_ref``: the mean x of the reference sizes, where a = 1; ``shape``: g(t_hat) =
+    log ell_ref on ``t_hat``; ``exponents``: the fitted a_i per reference size;
+    ``spread``: the relative spread of the reference sizes' log ell before (L0 = 0) and after
+    the offset.
+    """
+
+    offset: float
+    slope: float
+    x_ref: float
+    coordinate: str
+    t_hat: np.ndarray
+    shape: np.ndarray
+    sizes: list[str] = field(default_factory=list)
+    size_x: list[float] = field(default_factory=list)
+    exponents: list[float] = field(default_factory=list)
+    spread_without_offset: float = float("nan")
+    spread_with_offset: float = float("nan")
+    notes: list[str] = field(default_factory=list)
+    replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
+
+    def exponent(self, x: float) -> float:
+        """a at size coordinate x under the continued-drift hypothesis."""
+        return 1.0 + self.slope * (float(x) - self.x_ref)
+
+    def ell(self, x: float, exponent_drift: bool = True) -> np.ndarray:
+        """Normalized shape assumed for a size at x (offset L0 subtracted)."""
+        return np.exp((self.exponent(x) if exponent_drift else 1.0) * self.shape)
+
+    def to_dict(self) -> dict:
+        return {
+            "offset_L0": self.offset,
+            "exponent_slope_per_unit_x": self.slope,
+            "x_ref": self.x_ref,
+            "size_coordinate": self.coordinate,
+            "reference_sizes": {
+                s: {"x": x, "exponent": a}
+                for s, x, a in zip(self.sizes, self.size_x, self.exponents, strict=True)
+            },
+            "relative_spread_without_offset": self.spread_without_offset,
+            "relative_spread_with_offset": self.spread_with_offset,
+            "jackknife_offset_L0": [r.offset for r in self.replicas],
+            "jackknife_exponent_slope": [r.slope for r in self.replicas],
+            "notes": list(self.notes),
+        }
+
+
+def size_coordinate(meta: pd.DataFrame) -> tuple[pd.Series, str]:
+    """x per run: log params, else log flops, else log of the number in the size label."""
+    for column in ("params", "flops"):
+        if column in meta.columns:
+            values = pd.to_numeric(meta[column], errors="coerce")
+            if values.notna().all() and (values > 0).all():
+                return np.log(values.astype(float)), f"log {column}"
+    numbers = size_labels(meta).map(_size_number)
+    if np.isfinite(numbers).all() and (numbers > 0).all():
+        return np.log(numbers.astype(float)), "log size label number"
+    raise ValueError(
+        "the drift of the curve shape with size needs each run's size as a number: give a "
+        "params (or flops) column, or size labels with a number in them (d768, 125M)"
+    )
+
+
+def _log_size_means(
+    matrix: CurveMatrix, labels: np.ndarray, sizes: list[str], offset: float
+) -> np.ndarray:
+    """log of the mean normalized curve of each size, (n_sizes, n_grid)."""
+    ell = matrix.normalized(offset)
+    with nan_columns_expected():
+        return np.log(np.vstack([np.nanmean(ell[labels == s], axis=0) for s in sizes]))
+
+
+def _relative_spread(logs: np.ndarray) -> float:
+    """Spread across sizes of log ell relative to its mean square: 0 for perfect collapse."""
+    with nan_columns_expected():
+        center = np.nanmean(logs, axis=0)
+        return float(np.nanmean(np.nanvar(logs, axis=0)) / np.nanmean(center**2))
+
+
+def _cross_prediction_error(
+    matrix: CurveMatrix, labels: np.ndarray, sizes: list[str], offset: float, cols: np.ndarray
+) -> float:
+    """Mean squared relative error of predicting each size's mean curve from another's shape.
+
+    L_i(t) ~ L0 + (L_i(T) - L0) * ell_j(t) for every ordered pair of sizes i != j: the error of
+    the prediction itself, in loss units, so an L0 just below the final losses (which inflates
+    ell) is penalized, and L0 -> -inf tends to a finite limit (curves differing by a constant).
+    """
+    final = matrix.meta["final_loss"].to_numpy(float)
+    ell = np.exp(_log_size_means(matrix, labels, sizes, offset)[:, cols])
+    scale = np.array([np.mean(final[labels == s]) for s in sizes]) - offset
+    mean_loss = offset + scale[:, None] * ell
+    errors = [
+        np.nanmean(((offset + scale[i] * ell[j]) / mean_loss[i] - 1) ** 2)
+        for i in range(len(sizes))
+        for j in range(len(sizes))
+        if i != j
+    ]
+    return float(np.mean(errors))
+
+
+def fit_drift(
+    matrix: CurveMatrix,
+    *,
+    offset: float | None = None,
+    fit_range: tuple[float, float] = DRIFT_FIT_RANGE,
+) -> DriftFit:
+    """Fit L0 (unless ``offset`` is given) and the exponent drift on complete reference runs.
+
+    ``matrix``: the reference runs' smoothed curves on a common grid (``curves.resample``);
+    their metadata must name sizes and give a size coordinate (``size_coordinate``). With one
+    reference size neither can be fitted: L0 stays 0 (or ``offset``), the slope 0, and a note
+    says so.
+    """
+    final = matrix.meta["final_loss"].to_numpy(float)
+    if len(final) == 0 or not np.isfinite(final).all():
+        raise ValueError("the drift fit needs complete reference runs (every one reaching t_hat 1)")
+    labels = size_labels(matrix.meta).to_numpy()
+    sizes = list(pd.unique(labels))
+    x_run, coordinate = size_coordinate(matrix.meta)
+    size_x = [float(x_run[labels == s].mean()) for s in sizes]
+    cols = (matrix.grid >= fit_range[0]) & (matrix.grid <= fit_range[1])
+    notes = []
+
+    def spread(l0: float) -> float:
+        return _relative_spread(_log_size_means(matrix, labels, sizes, l0)[:, cols])
+
+    if len(sizes) < 2:
+        notes.append(
+            "one reference size: no drift with size can be fitted (L0 and slope left as given); "
+            "give two or more reference sizes"
+        )
+        fitted = 0.0 if offset is None else float(offset)
+    elif offset is None:
+        floor = float(np.min(final))
+        result = minimize_scalar(
+            lambda l0: _cross_prediction_error(matrix, labels, sizes, l0, cols),
+            bounds=(OFFSET_FLOOR * floor, OFFSET_CEILING * floor),
+            method="bounded",
+            options={"xatol": 1e-6 * floor},
+        )
+        fitted = float(result.x)
+    else:
+        fitted = float(offset)
+    logs = _log_size_means(matrix, labels, sizes, fitted)
+    with nan_columns_expected():
+        shape = np.nanmean(logs, axis=0)
+    g = shape[cols]
+    exponents = [float(np.nansum(row[cols] * g) / np.nansum(g * g)) for row in logs]
+    x_ref = float(np.mean(size_x))
+    slope = float(np.polyfit(np.subtract(size_x, x_ref), exponents, 1)[0]) if len(sizes) > 1 else 0
+    return DriftFit(
+        offset=fitted,
+        slope=slope,
+        x_ref=x_ref,
+        coordinate=coordinate,
+        t_hat=matrix.grid.copy(),
+        shape=shape,
+        sizes=[str(s) for s in sizes],
+        size_x=size_x,
+        exponents=exponents,
+        spread_without_offset=spread(0.0) if len(sizes) > 1 else float("nan"),
+        spread_with_offset=spread(fitted) if len(sizes) > 1 else float("nan"),
+        notes=notes,
+    )
+
+
+def fit_drift_jackknife(matrix: CurveMatrix) -> DriftFit:
+    """``fit_drift`` plus its replicas with each reference run left out in turn.
+
+    The replicas measure how much L0 and the slope rest on single seeds: ``predict_drift``
+    adds their jackknife spread to the bounds. A run is left out only where its size keeps
+    another run.
+    """
+    fit = fit_drift(matrix)
+    if len(fit.sizes) < 2:
+        return fit
+    labels = size_labels(matrix.meta).to_numpy()
+    replicas = []
+    for i in range(len(labels)):
+        if np.sum(labels == labels[i]) < 2:
+            continue
+        keep = np.ones(len(labels), dtype=bool)
+        keep[i] = False
+        replicas.append(fit_drift(matrix.select(keep)))
+    return replace(fit, replicas=replicas)
+
+
+@dataclass(frozen=True)
+class DriftPrediction:
+    """The averaged prediction, both hypotheses, and the bounds (nats/token)."""
+
+    final_loss: float
+    lower: float
+    upper: float
+    offset_only: float
+    continued_drift: float
+    exponent: float
+
+
+def predict_drift(
+    t_hat: np.ndarray,
+    loss: np.ndarray,
+    fit: DriftFit,
+    x: float,
+    window: tuple[float, float],
+    z: float = BAND_Z,
+) -> DriftPrediction:
+    """Early-align a partial curve (size coordinate ``x``) with the drifted shapes.
+
+    Each hypothesis aligns L - L0 with its shape over ``window`` in log space
+    (``reference.early_align``); the prediction is their mean. Bounds: the half difference of
+    the two, the z-sigma misfit of the alignment and z times the jackknife standard error over
+    the fit's replicas (``fit_drift_jackknife``), combined in quadrature.
+    """
+
+    def both_hypotheses(f: DriftFit):
+        kept = early_align(t_hat, loss, f.t_hat, f.ell(x, True), window=window, offset=f.offset)
+        flat = early_align(t_hat, loss, f.t_hat, f.ell(x, False), window=window, offset=f.offset)
+        return kept, flat
+
+    both, flat = both_hypotheses(fit)
+    center = 0.5 * (both.final_loss + flat.final_loss)
+    misfit = (center - fit.offset) * (np.exp(z * max(both.log_scatter, flat.log_scatter)) - 1)
+    jackknife = 0.0
+    if len(fit.replicas) > 1:
+        values = np.array(
+            [0.5 * sum(p.final_loss for p in both_hypotheses(r)) for r in fit.replicas]
+        )
+        n = len(values)
+        jackknife = z * float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+    half = float(np.linalg.norm([0.5 * abs(both.final_loss - flat.final_loss), misfit, jackknife]))
+    return DriftPrediction(
+        final_loss=float(center),
+        lower=float(center - half),
+        upper=float(center + half),
+        offset_only=float(flat.final_loss),
+        continued_drift=float(both.final_loss),
+        exponent=fit.exponent(x),
+    )
