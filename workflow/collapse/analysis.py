@@ -14,12 +14,8 @@ every run's gate at once) and the entry points the Snakemake rules call, one per
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +27,7 @@ from pydantic import ValidationError
 from collapse import curves as C
 from collapse import validate as V
 from collapse.gates import GatePolicy, GateVerdict, blocks, evaluate_gate, plot_gate
+from collapse.outputs import staged_folder
 from collapse.reference import (
     ALIGN_WINDOW,
     ReferenceCurve,
@@ -691,36 +688,6 @@ def _output_mode(out: Path, sources: Sequence, force: bool) -> str:
     return "replace"
 
 
-@contextlib.contextmanager
-def _staged(out: Path, mode: str):
-    """A fresh folder beside ``out`` to write into, moved into place only on success.
-
-    "replace": the folder replaces ``out`` (stale files vanish); "merge": its files are moved
-    into ``out`` one by one. On any error the staging folder is deleted and ``out`` is as it was.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        yield work
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    if mode == "merge":
-        for path in sorted(p for p in work.rglob("*") if p.is_file()):
-            target = out / path.relative_to(work)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
-        shutil.rmtree(work, ignore_errors=True)
-        return
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-        os.replace(out, old / "previous")
-    os.replace(work, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def check_offset(meta: pd.DataFrame, offset: float) -> None:
     """L0 must lie below every loss: ell = (L - L0)/(L(T) - L0) needs L - L0 > 0."""
     if not np.isfinite(offset):
@@ -769,7 +736,7 @@ def analyze(
     reference_sizes = _check_sizes(reference_sizes or default_reference_sizes(sizes), sizes)
     _reference_part(matrix, reference_sizes)  # a reference to build, before writing anything
     stats = collapse_statistics(matrix, offset, late_window)
-    with _staged(out, mode) as work:
+    with staged_folder(out, mode) as work:
         return _write_analysis(
             work, out, matrix, stats, reference_sizes, offset, policy, window_steps, window_seqs,
             plots,

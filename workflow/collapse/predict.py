@@ -36,6 +36,7 @@ from collapse.curves import (
     smooth,
 )
 from collapse.drift import DriftFit, fit_drift_jackknife, predict_drift, size_coordinate
+from collapse.outputs import staged_folder
 from collapse.reference import ReferenceCurve, early_align, reference_curve
 from collapse.surrogate import SurrogateFit
 
@@ -564,6 +565,33 @@ def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | No
     return drift
 
 
+def _write_outputs(args, work: Path, table: pd.DataFrame, curves, drift) -> None:
+    """predictions.csv, drift.json, bias_by_size.csv and the sweep report, written into ``work``
+    (the staging folder of ``args.out``) with the summaries printed."""
+    table.to_csv(work / "predictions.csv", index=False, float_format="%.6g")
+    if drift is not None:
+        (work / "drift.json").write_text(json.dumps(drift.to_dict(), indent=2) + "\n")
+    print(f"predicted {table['run'].nunique()} runs -> {args.out / 'predictions.csv'}")
+    if table["true_final_loss"].notna().any():
+        summary = table.pivot_table("abs_error_pct", "fraction", "method", aggfunc="mean")
+        print("mean absolute error of the predicted final loss (%), complete runs:")
+        print(summary.round(2).to_string())
+        by_size = bias_by_size(table, curves.meta, drift)
+        by_size.to_csv(work / "bias_by_size.csv", index=False, float_format="%.6g")
+        print("bias by size: mean of 100 (predicted - true) / true (%), complete runs:")
+        print(
+            by_size.pivot_table("bias_pct", ["method", "fraction"], "size", sort=False)
+            .round(3)
+            .to_string()
+        )
+    if args.sweep_report:
+        from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
+
+        metrics = sweep_metrics(table, truth_from_predictions(table))
+        for path in write_sweep_report(metrics, work):
+            print(f"wrote {args.out / path.name}")
+
+
 def _cli(args: argparse.Namespace) -> int:
     """Exit status 0, or 2 with one ``error: ...`` line for bad input or flags."""
     try:
@@ -593,29 +621,8 @@ def _cli(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"no run reached fraction {min(args.fraction)}; give smaller --fraction values"
             )
-        args.out.mkdir(parents=True, exist_ok=True)
-        table.to_csv(args.out / "predictions.csv", index=False, float_format="%.6g")
-        if drift is not None:
-            (args.out / "drift.json").write_text(json.dumps(drift.to_dict(), indent=2) + "\n")
-        print(f"predicted {table['run'].nunique()} runs -> {args.out / 'predictions.csv'}")
-        if table["true_final_loss"].notna().any():
-            summary = table.pivot_table("abs_error_pct", "fraction", "method", aggfunc="mean")
-            print("mean absolute error of the predicted final loss (%), complete runs:")
-            print(summary.round(2).to_string())
-            by_size = bias_by_size(table, curves.meta, drift)
-            by_size.to_csv(args.out / "bias_by_size.csv", index=False, float_format="%.6g")
-            print("bias by size: mean of 100 (predicted - true) / true (%), complete runs:")
-            print(
-                by_size.pivot_table("bias_pct", ["method", "fraction"], "size", sort=False)
-                .round(3)
-                .to_string()
-            )
-        if args.sweep_report:
-            from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
-
-            metrics = sweep_metrics(table, truth_from_predictions(table))
-            for path in write_sweep_report(metrics, args.out):
-                print(f"wrote {path}")
+        with staged_folder(args.out, "merge") as work:  # all outputs, or none on an error
+            _write_outputs(args, work, table, curves, drift)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
