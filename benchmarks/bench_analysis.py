@@ -6,13 +6,22 @@ part is what ``collapse analyze`` does short of writing plots: validate the long
 split its metadata, smooth every curve, resample onto the t_hat grid, build the reference,
 early-align and gate every run, and compute Delta, sigma and the supercollapse verdict.
 
-    python benchmarks/bench_analysis.py [--runs 600] [--steps 20000]
+With ``--cli``, the same family is also written to a CSV and ``collapse analyze`` runs on it
+in a subprocess, as a user would run it (reading, checking, every output and plot): its wall
+time and peak memory are printed.
+
+    python benchmarks/bench_analysis.py [--runs 600] [--steps 20000] [--cli]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +29,9 @@ from collapse import analysis as A
 from collapse import curves as C
 from collapse.gates import GatePolicy
 from collapse.reference import reference_curve
-from collapse.surrogate import synthetic_family
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import synthetic_family  # noqa: E402  (the test suite's family generator)
 
 
 def main() -> None:
@@ -28,6 +39,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=600)
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--sizes", type=int, default=10)
+    parser.add_argument("--cli", action="store_true", help="also time `collapse analyze` on a CSV")
     args = parser.parse_args()
     seeds = args.runs // args.sizes
     finals = {f"s{2**i}": 3.5 - 0.15 * i for i in range(args.sizes)}
@@ -72,6 +84,28 @@ def main() -> None:
         f"vs threshold {verdicts[0].threshold:.4f}"
     )
     assert np.isfinite(stats.delta[:-1]).all()
+    if args.cli:
+        analyze_cli(df)
+
+
+def analyze_cli(df) -> None:
+    """``collapse analyze`` on the family as one CSV: wall time and the child's peak RSS."""
+    with tempfile.TemporaryDirectory(prefix="bench_analysis_") as folder:
+        path = Path(folder) / "curves.csv"
+        df.to_csv(path, index=False)
+        size_mb = path.stat().st_size / 1e6
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "collapse.cli", "analyze", str(path), "--out",
+             str(Path(folder) / "out")],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6  # KiB on Linux
+    print(
+        f"collapse analyze on a {size_mb:.0f} MB CSV of {df['run'].nunique()} runs: "
+        f"{seconds:.1f} s, peak RSS {peak_gb:.2f} GB"
+    )
 
 
 if __name__ == "__main__":
