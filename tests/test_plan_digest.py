@@ -73,8 +73,14 @@ def plan_digest(plan: Plan) -> dict:
             )
         ),
         "warnings": _sha(_canonical(plan.warnings())),
-        "report": _sha(plan_report_markdown(plan)),
+        "report": _sha(report_without_description(plan)),
     }
+
+
+def report_without_description(plan: Plan) -> str:
+    """The plan report less the family's description, which is prose, not a planned figure."""
+    report, description = plan_report_markdown(plan), plan.config.family.description
+    return report.replace(f"\n\n{description}\n\n", "\n\n\n\n", 1) if description else report
 
 
 def digest(family: str, cluster: str, faults: str) -> dict:
