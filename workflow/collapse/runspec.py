@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from collapse.roles import Role
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,7 +40,7 @@ class ModelArch(_Strict):
 class Parameterization(_Strict):
     """µP / CompleteP multipliers, per-group learning rates and init stds, already resolved.
 
-    Source: PAPER.md section 7 (Cerebras µP), CompleteP for depth (Dey et al. 2025).
+    Source: docs/method.md §7 (Cerebras µP), CompleteP for depth (Dey et al. 2025).
     """
 
     kind: Literal["mup", "completep", "sp"]
@@ -146,7 +148,7 @@ class RunSpec(_Strict):
     size: str
     tpp_band: float  # the requested TPP
     tpp: float  # realized TPP = tokens / params
-    role: Literal["family", "sweep", "sweep_reference", "fault", "contrast"] = "family"
+    role: Role = Role.FAMILY
     sweep: str = ""
     variant: dict[str, float] = Field(default_factory=dict)
     params: int  # N, all parameters, embeddings included
