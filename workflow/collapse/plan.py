@@ -80,7 +80,7 @@ class Plan:
     def layout(self) -> FamilyLayout:
         return FamilyLayout.of(self.config.family.name, self.config.results)
 
-    def run_names(self, role: str | None = None) -> list[str]:
+    def run_names(self, role: Role | None = None) -> list[str]:
         return [r.run for r in self.runs if role is None or r.role == role]
 
     def shared_runs(self) -> dict[str, str]:
