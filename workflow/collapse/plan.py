@@ -21,6 +21,7 @@ import itertools
 import json
 import math
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -347,7 +348,7 @@ class RunPlan:
 
 # ------------------------------------------------------------------------------ resources
 @dataclass(frozen=True)
-class ResourcePlan:
+class ResourcePlan(ABC):
     """What a run asks of the cluster: its layout, its time and the scheduler's request."""
 
     cluster: ClusterSpec
@@ -358,23 +359,29 @@ class ResourcePlan:
         kind = GpuResources if cluster.accelerator == "gpu" else CpuResources
         return kind(cluster, training)
 
+    @abstractmethod
     def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
-        raise NotImplementedError
+        """The TP x PP x DP layout, micro-batch and gradient accumulation, and its memory."""
 
+    @abstractmethod
     def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
-        raise NotImplementedError
+        """Hours the full-length run trains on its layout."""
 
+    @abstractmethod
     def gpu_hours(self, flops: float) -> float:
-        raise NotImplementedError
+        """GPU-hours of the full-length run (0 without GPUs)."""
 
+    @abstractmethod
     def threads(self, lay: parallel.Layout) -> int:
-        raise NotImplementedError
+        """CPU threads asked for per node."""
 
+    @abstractmethod
     def mem_mb(self, lay: parallel.Layout) -> int:
-        raise NotImplementedError
+        """Host memory asked for per node."""
 
+    @abstractmethod
     def gpus_per_node(self, lay: parallel.Layout) -> int:
-        raise NotImplementedError
+        """GPUs asked for per node."""
 
     def runtime_min(self, wall_hours: float) -> int:
         """The time limit: the estimate with the cluster's margin, never under its minimum."""
