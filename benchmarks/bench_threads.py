@@ -37,11 +37,12 @@ def family_specs(family: str, sizes: list[str], out: Path) -> dict[str, Path]:
     """Seed-0 run spec of each size, from the family's plan (run_dir in a scratch folder)."""
     from collapse.config import load_config
     from collapse.plan import plan_family
+    from collapse.roles import Role
 
     plan = plan_family(load_config([f"family={family}"]), corpus_tokens=10**12)
     found = {}
     for spec in plan.runs:
-        if spec.size in sizes and spec.size not in found and spec.role != "sweep":
+        if spec.size in sizes and spec.size not in found and spec.role != Role.SWEEP:
             spec = spec.model_copy(update={"run_dir": str(out / spec.run)})
             path = out / f"{spec.size}.json"
             path.write_text(spec.to_json())

@@ -21,6 +21,7 @@ import pandas as pd
 from collapse import curves as C
 from collapse.layout import FamilyLayout
 from collapse.plan import contrast_members
+from collapse.roles import Role
 
 COMPARISON_COLUMNS = (
     "family", "band", "change", "delta_over_sigma_late", "supercollapse", "score_mean_delta",
@@ -33,14 +34,14 @@ def _json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def family_row(root: Path, change: str = "", role: str = "family") -> list[dict]:
+def family_row(root: Path, change: str = "", role: Role = Role.FAMILY) -> list[dict]:
     """One row per TPP band of the family under ``root`` (results/<family>); with role
-    "contrast", of its contrast runs (analysis under ``contrast/``, family.contrast)."""
+    ``Role.CONTRAST``, of its contrast runs (analysis under ``contrast/``, family.contrast)."""
     layout = FamilyLayout(Path(root))
     runs = pd.read_csv(layout.plan_dir / "runs.csv")
-    family = contrast_members(runs) if role == "contrast" else runs[runs.role == role]
-    analysis = layout.contrast_dir if role == "contrast" else layout.root
-    label = layout.root.name + (" (contrast)" if role == "contrast" else "")
+    family = contrast_members(runs) if role == Role.CONTRAST else runs[runs.role == role]
+    analysis = layout.contrast_dir if role == Role.CONTRAST else layout.root
+    label = layout.root.name + (" (contrast)" if role == Role.CONTRAST else "")
     rows = []
     for band in sorted(family.tpp_band.unique()):
         stats = _json(analysis / "collapse" / f"tpp{band:g}" / "collapse.json")

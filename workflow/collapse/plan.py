@@ -1,8 +1,15 @@
 """The compute plan: every run of a family with all its hyperparameters, resolved once.
 
 ``plan_family`` is pure: from a validated ``Config`` it derives one ``RunSpec`` per run (size x
-TPP band x seed, and each sweep variant) with the scaling rules of ``collapse.scaling``, the FLOPs
-of ``collapse.flops`` and the layout of ``collapse.parallel``. ``write_plan`` writes the spec files
+TPP band x seed, each sweep variant, the fault experiment and the contrast) from three parts, each
+one decision per method:
+
+- ``ModelPlan``: size -> architecture, parameter counts, µP/CompleteP (``collapse.scaling``);
+- ``RunPlan``: tokens, batch, steps, LR, lambda from tau, schedule, FLOPs (``collapse.flops``);
+- ``ResourcePlan``: cluster -> layout and memory (``collapse.parallel``), time, Slurm request.
+
+``Planner`` composes them for each run of a ``Role`` (``collapse.roles``), which names the run and
+says whether it is a reference, monitored or stopped early. ``write_plan`` writes the spec files
 (only those whose content changed; the workflow writes each in a job of its own instead),
 ``runs.csv`` and a report.
 """
@@ -14,9 +21,12 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Iterable
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -28,14 +38,15 @@ from collapse.config import (
     ConfigError,
     FamilySpec,
     HeldDecay,
-    ParameterizationSpec,
     SizeSpec,
     SweepSpec,
     TauPowerLaw,
+    TrainingSpec,
     load_config,
 )
 from collapse.data import DataConfig
 from collapse.layout import FamilyLayout
+from collapse.roles import SWEEP_ROLES, Role
 from collapse.runspec import (
     FaultInjection,
     Logging,
@@ -43,6 +54,7 @@ from collapse.runspec import (
     Monitor,
     Optimization,
     Parallelism,
+    Parameterization,
     Resources,
     RunSpec,
     write_if_changed,
@@ -69,7 +81,7 @@ class Plan:
     def layout(self) -> FamilyLayout:
         return FamilyLayout.of(self.config.family.name, self.config.results)
 
-    def run_names(self, role: str | None = None) -> list[str]:
+    def run_names(self, role: Role | None = None) -> list[str]:
         return [r.run for r in self.runs if role is None or r.role == role]
 
     def shared_runs(self) -> dict[str, str]:
@@ -159,261 +171,507 @@ def repeated_data_warnings(table: pd.DataFrame, data: DataConfig) -> list[str]:
     ]
 
 
-def run_name(size: str, tpp: float, seed: int) -> str:
-    return f"{size}-tpp{tpp:g}-s{seed}"
-
-
-def sweep_run_name(sweep: SweepSpec, size: str, variant: dict[str, float]) -> str:
-    values = "-".join(f"{k}{v:.4g}" for k, v in sorted(variant.items()))
-    return f"sweep-{sweep.name}-{size}-{values}-s{sweep.seed}"
-
-
-def sweep_reference_name(sweep: SweepSpec, size: str, tau: float) -> str:
-    return f"sweepref-{sweep.name}-{size}-tau{tau:.4g}-s{sweep.seed}"
-
-
-def fault_run_name(fault: str, size: str, seed: int) -> str:
-    return f"fault-{fault}-{size}-s{seed}"
-
-
 def reference_csv(layout: FamilyLayout, tpp: float) -> Path:
     return layout.reference_dir / f"tpp{tpp:g}" / "reference.csv"
 
 
-# ---------------------------------------------------------------------------------- planning
-def architecture(family: FamilySpec, size: SizeSpec) -> ModelArch:
-    a = family.arch
-    return ModelArch(
-        d_model=size.d_model,
-        n_layers=size.n_layers,
-        n_heads=size.n_heads,
-        head_dim=size.head_dim or size.d_model // size.n_heads,
-        ffn_hidden=int(round(a.ffn_mult * size.d_model)),
-        activation=a.activation,
-        positions=a.positions,
-        vocab_size=a.vocab_size,
-        seq_len=a.seq_len,
-        tied_embeddings=a.tied_embeddings,
-        norm_eps=a.norm_eps,
-    )
+# ------------------------------------------------------------ architecture, parameterization
+@dataclass(frozen=True)
+class ModelPlan:
+    """One size: its architecture, parameter counts and µP/CompleteP parameterization."""
 
+    family: FamilySpec
+    size: SizeSpec
 
-def target_tau(family: FamilySpec, tpp: float) -> float:
-    rule = family.tau_for(tpp)
-    if isinstance(rule, TauPowerLaw):
-        return rule.scale * scaling.tau_power_law(tpp, rule.coef, rule.exponent)
-    return rule
-
-
-def plan_run(
-    cfg: Config,
-    size: SizeSpec,
-    tpp: float,
-    seed: int,
-    *,
-    corpus_tokens: int,
-    sweep: SweepSpec | None = None,
-    variant: dict[str, float] | None = None,
-    role: str | None = None,
-    fault: FaultInjection | None = None,
-) -> tuple[RunSpec, dict]:
-    """One run's spec plus the plan-only facts (wall time, memory, epochs) for runs.csv."""
-    family, cluster = cfg.family, cfg.cluster
-    layout = FamilyLayout.of(family.name, cfg.results)
-    variant = dict(variant or {})
-    arch = architecture(family, size)
-    count = scaling.param_count(arch)
-    tpp_params = count.total if family.tpp_counts == "all" else count.non_embedding
-    target_tokens = scaling.tokens_for_tpp(tpp, tpp_params)
-
-    if "batch_seqs" in variant:
-        batch_seqs = int(variant["batch_seqs"])
-    elif family.batch.rule == "table":
-        batch_seqs = size.batch_seqs
-    else:
-        b = family.batch
-        batch_seqs = max(
-            b.min_seqs,
-            scaling.batch_seqs_power_law(
-                target_tokens, b.coef, b.exponent, arch.seq_len, b.multiple_of
-            ),
+    @cached_property
+    def arch(self) -> ModelArch:
+        """The size's own width, depth and heads; the rest from the family's ``arch`` block."""
+        size, a = self.size, self.family.arch
+        return ModelArch(
+            d_model=size.d_model,
+            n_layers=size.n_layers,
+            n_heads=size.n_heads,
+            head_dim=size.head_dim or size.d_model // size.n_heads,
+            ffn_hidden=int(round(a.ffn_mult * size.d_model)),
+            activation=a.activation,
+            positions=a.positions,
+            vocab_size=a.vocab_size,
+            seq_len=a.seq_len,
+            tied_embeddings=a.tied_embeddings,
+            norm_eps=a.norm_eps,
         )
-    steps = scaling.steps_for(target_tokens, batch_seqs, arch.seq_len)
-    tokens = scaling.realized_tokens(steps, batch_seqs, arch.seq_len)
-    batch_tokens = batch_seqs * arch.seq_len
 
-    p = family.parameterization
-    eta_base = variant.get("eta_base", p.eta_base)
-    if "lr_peak" in variant:  # the hidden-layer LR is set; the base LR follows
-        eta_base = variant["lr_peak"] * eta_base / parameterize(arch, p, eta_base).lr_hidden
-    mup = parameterize(arch, p, eta_base)
-    eta = mup.lr_hidden
-    if "weight_decay" in variant:
-        weight_decay = variant["weight_decay"]
-    elif family.weight_decay is not None:  # the contrast recipe: lambda fixed, tau drifts
-        weight_decay = family.weight_decay
-    else:
-        tau_goal = variant.get("tau", target_tau(family, tpp))
-        weight_decay = scaling.weight_decay_for_tau(tau_goal, eta, batch_tokens, tokens)
-    tau = scaling.tau_of(eta, weight_decay, batch_tokens, tokens)
-    warmup = scaling.warmup_steps(
-        steps,
-        fraction=family.schedule.warmup_fraction,
-        max_tokens=family.schedule.warmup_max_tokens,
-        batch_tokens=batch_tokens,
-    )
-    flops_6nd = flops_rules.flops_6nd(count.total, tokens)
-    flops = flops_rules.flops_table9(arch, count.total, tokens)
+    @cached_property
+    def count(self) -> scaling.ParamCount:
+        return scaling.param_count(self.arch)
 
-    t = family.training
-    if cluster.accelerator == "gpu":
-        lay = parallel.choose_layout(
-            arch,
-            count.total,
-            batch_seqs=batch_seqs,
-            gpus_per_node=cluster.gpus_per_node,
-            gpu_mem_bytes=int(cluster.gpu_mem_gb * 2**30),
-            max_nodes=cluster.max_nodes,
-            max_micro_batch=t.max_micro_batch_seqs,
+    @property
+    def tpp_params(self) -> int:
+        """The parameters TPP counts (``family.tpp_counts``): all, or those outside embeddings."""
+        return self.count.total if self.family.tpp_counts == "all" else self.count.non_embedding
+
+    def parameterize(self, eta_base: float) -> Parameterization:
+        """µP/CompleteP of the size from the family's parameterization block and a base LR."""
+        fields = self.family.parameterization.model_dump() | {"eta_base": eta_base}
+        return scaling.mup_parameterization(self.arch, **fields)
+
+    def eta_base(self, variant: Mapping[str, float]) -> float:
+        """The base LR: the family's or a variant's, or the one that gives a variant's hidden-
+        layer LR (``lr_peak``)."""
+        eta_base = variant.get("eta_base", self.family.parameterization.eta_base)
+        if "lr_peak" in variant:
+            eta_base = variant["lr_peak"] * eta_base / self.parameterize(eta_base).lr_hidden
+        return eta_base
+
+
+# ------------------------------------------------------------------------------------ run
+@dataclass(frozen=True)
+class RunPlan:
+    """The training of one size at one TPP band: tokens, batch, steps, LR, lambda from tau,
+    schedule. ``variant`` overrides any of batch_seqs, eta_base, lr_peak, weight_decay, tau."""
+
+    family: FamilySpec
+    model: ModelPlan
+    tpp: float
+    variant: Mapping[str, float]
+
+    @property
+    def target_tokens(self) -> int:
+        return scaling.tokens_for_tpp(self.tpp, self.model.tpp_params)
+
+    @cached_property
+    def batch_seqs(self) -> int:
+        """A variant's batch, the size's (``batch.rule: table``) or the power law in D."""
+        if "batch_seqs" in self.variant:
+            return int(self.variant["batch_seqs"])
+        if self.family.batch.rule == "table":
+            return self.model.size.batch_seqs
+        b, seq_len = self.family.batch, self.model.arch.seq_len
+        law = scaling.batch_seqs_power_law(
+            self.target_tokens, b.coef, b.exponent, seq_len, b.multiple_of
         )
-        wall_hours = parallel.wall_time_hours(flops, lay.gpus, cluster.peak_flops, cluster.mfu)
-        gpu_hours = parallel.gpu_hours(flops, cluster.peak_flops, cluster.mfu)
-        threads = cluster.cpus_per_gpu * lay.procs_per_node
-        mem_mb = int(cluster.mem_per_gpu_gb * 1024 * lay.procs_per_node)
-        gpus_per_node = lay.procs_per_node
-    else:
-        lay = parallel.cpu_layout(
-            arch,
-            count.total,
-            batch_seqs=batch_seqs,
-            procs=cluster.procs_per_run,
-            max_micro_batch=t.max_micro_batch_seqs,
+        return max(b.min_seqs, law)
+
+    @cached_property
+    def steps(self) -> int:
+        return scaling.steps_for(self.target_tokens, self.batch_seqs, self.model.arch.seq_len)
+
+    @property
+    def tokens(self) -> int:
+        """D realized in whole steps."""
+        return scaling.realized_tokens(self.steps, self.batch_seqs, self.model.arch.seq_len)
+
+    @property
+    def batch_tokens(self) -> int:
+        return self.batch_seqs * self.model.arch.seq_len
+
+    @cached_property
+    def mup(self) -> Parameterization:
+        return self.model.parameterize(self.model.eta_base(self.variant))
+
+    @property
+    def lr_peak(self) -> float:
+        """eta: the hidden-layer LR, the one tau is defined with."""
+        return self.mup.lr_hidden
+
+    @property
+    def target_tau(self) -> float:
+        """The family's tau of the band (a fixed value, or its power law in TPP)."""
+        rule = self.family.tau_for(self.tpp)
+        if isinstance(rule, TauPowerLaw):
+            return rule.scale * scaling.tau_power_law(self.tpp, rule.coef, rule.exponent)
+        return rule
+
+    @cached_property
+    def weight_decay(self) -> float:
+        """A variant's lambda, the family's fixed one (the contrast recipe: tau drifts), else
+        lambda solved from the variant's or the family's tau."""
+        if "weight_decay" in self.variant:
+            return self.variant["weight_decay"]
+        if self.family.weight_decay is not None:
+            return self.family.weight_decay
+        tau = self.variant.get("tau", self.target_tau)
+        return scaling.weight_decay_for_tau(tau, self.lr_peak, self.batch_tokens, self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """The realized tau."""
+        return scaling.tau_of(self.lr_peak, self.weight_decay, self.batch_tokens, self.tokens)
+
+    @property
+    def warmup_steps(self) -> int:
+        s = self.family.schedule
+        return scaling.warmup_steps(
+            self.steps,
+            fraction=s.warmup_fraction,
+            max_tokens=s.warmup_max_tokens,
+            batch_tokens=self.batch_tokens,
         )
-        wall_hours = flops / (cluster.peak_flops * cluster.mfu) / 3600
-        gpu_hours = 0.0
-        threads = cluster.threads_per_proc * cluster.procs_per_run
-        mem_mb = int(cluster.mem_gb * 1024)
-        gpus_per_node = 0
 
-    role = role or ("family" if sweep is None else "sweep")
-    stop_fraction = 1.0
-    if role == "sweep" and not sweep.validate_full:
-        stop_fraction = max([sweep.fraction, *sweep.fractions])
-    wall_hours_run = wall_hours * stop_fraction
-    runtime_min = max(
-        cluster.min_runtime_min, math.ceil(wall_hours_run * 60 * cluster.runtime_margin)
-    )
-    is_reference = (
-        size.name in family.reference.sizes and sweep is None and role not in ("fault", "contrast")
-    )
-    monitored = family.gates.monitor and not is_reference and sweep is None and role != "contrast"
-    if role == "family":
-        name = run_name(size.name, tpp, seed)
-    elif role == "sweep":
-        name = sweep_run_name(sweep, size.name, variant)
-    elif role == "fault":
-        name = fault_run_name(fault.name, size.name, seed)
-    elif role == "contrast":
-        name = f"contrast-{run_name(size.name, tpp, seed)}"
-    else:
-        name = sweep_reference_name(sweep, size.name, tau)
-    every = lambda fraction: max(1, round(steps * fraction))  # noqa: E731
+    @property
+    def flops(self) -> float:
+        """Training FLOPs, Table 9 accounting."""
+        return flops_rules.flops_table9(self.model.arch, self.model.count.total, self.tokens)
 
-    spec = RunSpec(
-        run=name,
-        family=family.name,
-        size=size.name,
-        tpp_band=tpp,
-        tpp=tokens / tpp_params,
-        role=role,
-        sweep="" if sweep is None else sweep.name,
-        variant=variant,
-        params=count.total,
-        params_non_embedding=count.non_embedding,
-        flops_6nd=flops_6nd,
-        flops=flops,
-        dataset_prefix=str(layout.train_prefix),
-        valid_prefix=str(layout.valid_prefix),
-        tokenizer=str(layout.tokenizer),
-        run_dir=str(layout.run_dir(name)),
-        checkpoint_dir=str(layout.checkpoints(name)),
-        model=arch,
-        mup=mup,
-        optim=Optimization(
+    @property
+    def flops_6nd(self) -> float:
+        return flops_rules.flops_6nd(self.model.count.total, self.tokens)
+
+    def optimization(self, seed: int, stop_fraction: float) -> Optimization:
+        return Optimization(
             seed=seed,
-            tokens=tokens,
-            batch_seqs=batch_seqs,
-            steps=steps,
-            warmup_steps=warmup,
-            lr_peak=eta,
-            weight_decay=weight_decay,
-            tau=tau,
-            grad_clip=t.grad_clip,
+            tokens=self.tokens,
+            batch_seqs=self.batch_seqs,
+            steps=self.steps,
+            warmup_steps=self.warmup_steps,
+            lr_peak=self.lr_peak,
+            weight_decay=self.weight_decay,
+            tau=self.tau,
+            grad_clip=self.family.training.grad_clip,
             stop_fraction=stop_fraction,
-        ),
-        parallel=Parallelism(
-            tp=lay.tp,
-            pp=lay.pp,
-            dp=lay.dp,
-            micro_batch_seqs=lay.micro_batch_seqs,
-            grad_accum=lay.grad_accum,
-            gpus=lay.gpus,
-            nodes=lay.nodes,
-            procs_per_node=lay.procs_per_node,
-        ),
-        resources=Resources(
-            threads=threads,
-            mem_mb=mem_mb,
-            gpus_per_node=gpus_per_node,
-            nodes=lay.nodes,
-            runtime_min=runtime_min,
-            slurm_partition=cluster.partition,
-            slurm_account=cluster.account,
-        ),
-        logging=Logging(
-            log_every_steps=min(t.log_every_steps, max(1, steps // 10)),
-            eval_every_steps=every(t.eval_every_fraction),
+        )
+
+    def every(self, fraction: float) -> int:
+        """A period of ``fraction`` of the schedule, in whole steps (at least one)."""
+        return max(1, round(self.steps * fraction))
+
+    def logging(self) -> Logging:
+        t = self.family.training
+        return Logging(
+            log_every_steps=min(t.log_every_steps, max(1, self.steps // 10)),
+            eval_every_steps=self.every(t.eval_every_fraction),
             eval_batches=t.eval_batches,
-            checkpoint_every_steps=every(t.checkpoint_every_fraction),
+            checkpoint_every_steps=self.every(t.checkpoint_every_fraction),
             keep_checkpoints=t.keep_checkpoints,
-        ),
-        monitor=Monitor(
+        )
+
+
+# ------------------------------------------------------------------------------ resources
+@dataclass(frozen=True)
+class ResourcePlan(ABC):
+    """What a run asks of the cluster: its layout, its time and the scheduler's request."""
+
+    cluster: ClusterSpec
+    training: TrainingSpec
+
+    @staticmethod
+    def of(cluster: ClusterSpec, training: TrainingSpec) -> ResourcePlan:
+        kind = GpuResources if cluster.accelerator == "gpu" else CpuResources
+        return kind(cluster, training)
+
+    @abstractmethod
+    def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
+        """The TP x PP x DP layout, micro-batch and gradient accumulation, and its memory."""
+
+    @abstractmethod
+    def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
+        """Hours the full-length run trains on its layout."""
+
+    @abstractmethod
+    def gpu_hours(self, flops: float) -> float:
+        """GPU-hours of the full-length run (0 without GPUs)."""
+
+    @abstractmethod
+    def threads(self, lay: parallel.Layout) -> int:
+        """CPU threads asked for per node."""
+
+    @abstractmethod
+    def mem_mb(self, lay: parallel.Layout) -> int:
+        """Host memory asked for per node."""
+
+    @abstractmethod
+    def gpus_per_node(self, lay: parallel.Layout) -> int:
+        """GPUs asked for per node."""
+
+    def runtime_min(self, wall_hours: float) -> int:
+        """The time limit: the estimate with the cluster's margin, never under its minimum."""
+        c = self.cluster
+        return max(c.min_runtime_min, math.ceil(wall_hours * 60 * c.runtime_margin))
+
+    def resources(self, lay: parallel.Layout, wall_hours: float) -> Resources:
+        return Resources(
+            threads=self.threads(lay),
+            mem_mb=self.mem_mb(lay),
+            gpus_per_node=self.gpus_per_node(lay),
+            nodes=lay.nodes,
+            runtime_min=self.runtime_min(wall_hours),
+            slurm_partition=self.cluster.partition,
+            slurm_account=self.cluster.account,
+        )
+
+
+class GpuResources(ResourcePlan):
+    """A GPU cluster: the layout search over TP x PP x DP within the GPU's memory."""
+
+    def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
+        c = self.cluster
+        return parallel.choose_layout(
+            model.arch,
+            model.count.total,
+            batch_seqs=batch_seqs,
+            gpus_per_node=c.gpus_per_node,
+            gpu_mem_bytes=int(c.gpu_mem_gb * 2**30),
+            max_nodes=c.max_nodes,
+            max_micro_batch=self.training.max_micro_batch_seqs,
+        )
+
+    def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
+        return parallel.wall_time_hours(flops, lay.gpus, self.cluster.peak_flops, self.cluster.mfu)
+
+    def gpu_hours(self, flops: float) -> float:
+        return parallel.gpu_hours(flops, self.cluster.peak_flops, self.cluster.mfu)
+
+    def threads(self, lay: parallel.Layout) -> int:
+        return self.cluster.cpus_per_gpu * lay.procs_per_node
+
+    def mem_mb(self, lay: parallel.Layout) -> int:
+        return int(self.cluster.mem_per_gpu_gb * 1024 * lay.procs_per_node)
+
+    def gpus_per_node(self, lay: parallel.Layout) -> int:
+        return lay.procs_per_node
+
+
+class CpuResources(ResourcePlan):
+    """The CPU cluster: data parallel over the run's gloo processes, the machine's memory."""
+
+    def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
+        return parallel.cpu_layout(
+            model.arch,
+            model.count.total,
+            batch_seqs=batch_seqs,
+            procs=self.cluster.procs_per_run,
+            max_micro_batch=self.training.max_micro_batch_seqs,
+        )
+
+    def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
+        return flops / (self.cluster.peak_flops * self.cluster.mfu) / 3600
+
+    def gpu_hours(self, flops: float) -> float:
+        return 0.0
+
+    def threads(self, lay: parallel.Layout) -> int:
+        return self.cluster.threads_per_proc * self.cluster.procs_per_run
+
+    def mem_mb(self, lay: parallel.Layout) -> int:
+        return int(self.cluster.mem_gb * 1024)
+
+    def gpus_per_node(self, lay: parallel.Layout) -> int:
+        return 0
+
+
+def parallelism(lay: parallel.Layout) -> Parallelism:
+    return Parallelism(**{field: getattr(lay, field) for field in Parallelism.model_fields})
+
+
+# ------------------------------------------------------------------------------ planning
+class Planned(NamedTuple):
+    """A run's spec plus the plan-only facts (wall time, memory, epochs) for runs.csv."""
+
+    spec: RunSpec
+    facts: dict
+
+
+@dataclass(frozen=True)
+class Planner:
+    """Composes the three parts into the runs of one family on one cluster."""
+
+    cfg: Config
+    corpus_tokens: int
+
+    @property
+    def family(self) -> FamilySpec:
+        return self.cfg.family
+
+    @cached_property
+    def layout(self) -> FamilyLayout:
+        return FamilyLayout.of(self.family.name, self.cfg.results)
+
+    @cached_property
+    def resources(self) -> ResourcePlan:
+        return ResourcePlan.of(self.cfg.cluster, self.family.training)
+
+    def seeds(self, size: SizeSpec) -> list[int]:
+        """A reference size trains the reference seeds, every other size the family's."""
+        reference = self.family.reference
+        return reference.seeds if size.name in reference.sizes else self.family.seeds
+
+    def run_plan(
+        self, size: SizeSpec, tpp: float, variant: Mapping[str, float] | None = None
+    ) -> RunPlan:
+        return RunPlan(self.family, ModelPlan(self.family, size), tpp, dict(variant or {}))
+
+    def run(
+        self,
+        role: Role,
+        size: SizeSpec,
+        tpp: float,
+        seed: int,
+        *,
+        sweep: SweepSpec | None = None,
+        variant: Mapping[str, float] | None = None,
+        fault: FaultInjection | None = None,
+    ) -> Planned:
+        """One run of ``role``: the run part and the resources part, put into its spec."""
+        run = self.run_plan(size, tpp, variant)
+        lay = self.resources.layout(run.model, run.batch_seqs)
+        stop_fraction = role.stop_fraction(sweep)
+        wall_hours = self.resources.wall_hours(run.flops, lay) * stop_fraction
+        monitored = self.monitored(role, size)
+        fault = fault or FaultInjection()
+        name = role.run_name(
+            size.name, tpp, seed, sweep=sweep, variant=run.variant, fault=fault.name, tau=run.tau
+        )
+        spec = RunSpec(
+            run=name,
+            family=self.family.name,
+            size=size.name,
+            tpp_band=tpp,
+            tpp=run.tokens / run.model.tpp_params,
+            role=role,
+            sweep="" if sweep is None else sweep.name,
+            variant=run.variant,
+            params=run.model.count.total,
+            params_non_embedding=run.model.count.non_embedding,
+            flops_6nd=run.flops_6nd,
+            flops=run.flops,
+            **self.paths(name),
+            model=run.model.arch,
+            mup=run.mup,
+            optim=run.optimization(seed, stop_fraction),
+            parallel=parallelism(lay),
+            resources=self.resources.resources(lay, wall_hours),
+            logging=run.logging(),
+            monitor=self.monitor(run, name, monitored),
+            fault=fault,
+        )
+        facts = {
+            "wall_hours": wall_hours,
+            "gpu_hours": self.resources.gpu_hours(run.flops) * stop_fraction,
+            "epochs": self.epochs(run.tokens * stop_fraction),
+            "memory_gb_per_gpu": (lay.memory.total / 2**30) if lay.memory is not None else 0.0,
+            "is_reference": self.is_reference(role, size),
+            "monitored": monitored,
+            "fault": fault.name if role == Role.FAULT else "",
+        }
+        return Planned(spec, facts)
+
+    def is_reference(self, role: Role, size: SizeSpec) -> bool:
+        """Whether the run builds its band's reference curve."""
+        return role.builds_reference and size.name in self.family.reference.sizes
+
+    def monitored(self, role: Role, size: SizeSpec) -> bool:
+        """Whether the collapse monitor watches the run: when the family turns it on, for a
+        role it may watch, and never on the reference it checks against."""
+        return self.family.gates.monitor and role.monitorable and not self.is_reference(role, size)
+
+    def paths(self, run: str) -> dict[str, str]:
+        """Where the run reads its data and tokenizer, writes its outputs and checkpoints."""
+        layout = self.layout
+        return {
+            "dataset_prefix": str(layout.train_prefix),
+            "valid_prefix": str(layout.valid_prefix),
+            "tokenizer": str(layout.tokenizer),
+            "run_dir": str(layout.run_dir(run)),
+            "checkpoint_dir": str(layout.checkpoints(run)),
+        }
+
+    def monitor(self, run: RunPlan, name: str, monitored: bool) -> Monitor:
+        gates = self.family.gates
+        return Monitor(
             enabled=monitored,
-            reference_csv=str(layout.monitor_reference(name)) if monitored else "",
-            every_steps=every(family.gates.monitor_every_fraction) if monitored else 0,
-            stop_on_alarm=family.gates.stop_on_alarm,
-        ),
-        fault=fault or FaultInjection(),
-    )
-    facts = {
-        "wall_hours": wall_hours_run,
-        "gpu_hours": gpu_hours * stop_fraction,
-        "epochs": tokens * stop_fraction / corpus_tokens if corpus_tokens else float("nan"),
-        "memory_gb_per_gpu": (lay.memory.total / 2**30) if lay.memory is not None else 0.0,
-        "is_reference": is_reference,
-        "monitored": monitored,
-        "fault": spec.fault.name if role == "fault" else "",
-    }
-    return spec, facts
+            reference_csv=str(self.layout.monitor_reference(name)) if monitored else "",
+            every_steps=run.every(gates.monitor_every_fraction) if monitored else 0,
+            stop_on_alarm=gates.stop_on_alarm,
+        )
 
+    def epochs(self, tokens: float) -> float:
+        """How often ``tokens`` pass over the corpus (NaN when it could not be counted)."""
+        return tokens / self.corpus_tokens if self.corpus_tokens else float("nan")
 
-def parameterize(arch: ModelArch, p: ParameterizationSpec, eta_base: float):
-    """µP/CompleteP of one size from the family's parameterization block and a base LR."""
-    return scaling.mup_parameterization(
-        arch,
-        kind=p.kind,
-        d_base=p.d_base,
-        depth_base=p.depth_base,
-        sigma_base=p.sigma_base,
-        eta_base=eta_base,
-        alpha_input=p.alpha_input,
-        alpha_output=p.alpha_output,
-        beta1=p.beta1,
-        beta2=p.beta2,
-        eps=p.eps,
-        completep_alpha=p.completep_alpha,
-        embedding_decay=p.embedding_decay,
-    )
+    # ---------------------------------------------------------------------- the runs
+    def family_runs(self) -> Iterator[Planned]:
+        """Every size x TPP band x seed."""
+        for tpp in self.family.tpp:
+            for size in self.family.sizes:
+                for seed in self.seeds(size):
+                    yield self.run(Role.FAMILY, size, tpp, seed)
+
+    def sweep_runs(self, sweep: SweepSpec) -> Iterator[Planned]:
+        """A sweep's variants, then one small full-length run per tau of its grid."""
+        family = self.family
+        size = family.size(sweep.size)
+        tpp = sweep.tpp if sweep.tpp is not None else family.tpp[0]
+        taus = {}
+        for variant in sweep_variants(sweep):
+            planned = self.run(Role.SWEEP, size, tpp, sweep.seed, sweep=sweep, variant=variant)
+            taus.setdefault(round(planned.spec.optim.tau, 4), planned.spec.optim.tau)
+            yield planned
+        reference = family.size(sweep.reference_size or family.reference.sizes[0])
+        for tau in taus.values():
+            yield self.run(
+                Role.SWEEP_REFERENCE, reference, tpp, sweep.seed, sweep=sweep, variant={"tau": tau}
+            )
+
+    def inherited_weight_decay(self, size: SizeSpec, tpp: float, holds: HeldDecay) -> float:
+        """The lambda ``size`` gets when its weight decay is taken over from the smallest size
+        instead of solved from tau: lambda itself (``weight_decay``) or the AdamW shrink per
+        step eta * lambda (``decay_per_step``, as one LR and one lambda for every size apply
+        it)."""
+        smallest = self.run_plan(self.family.smallest_size(), tpp)
+        if holds == "decay_per_step":
+            return smallest.lr_peak * smallest.weight_decay / self.run_plan(size, tpp).lr_peak
+        return smallest.weight_decay
+
+    def fault_runs(self) -> Iterator[Planned]:
+        """The fault-detection experiment: each injected fault in one size (default: the
+        largest), seed 0 (the family's own run of that size is its clean twin), plus clean seeds
+        of that size the family does not train already. wrong_tau keeps the smallest size's
+        eta*lambda or lambda."""
+        spec = self.family.faults
+        if spec is None:
+            return
+        size = self.family.fault_size()
+        tpp = spec.tpp if spec.tpp is not None else self.family.tpp[0]
+        clean = FaultInjection(name="clean")
+        for seed in (s for s in spec.clean_seeds if s not in self.seeds(size)):
+            yield self.run(Role.FAULT, size, tpp, seed, fault=clean)
+        for injection in spec.injections:
+            wrong_tau = injection.kind == "wrong_tau"
+            at = injection.at_fraction if injection.at_fraction is not None else spec.at_fraction
+            fault = FaultInjection(
+                kind=injection.kind,
+                at_fraction=0.0 if wrong_tau else at,
+                magnitude=injection.magnitude,
+                name=injection.name,
+            )
+            variant = (
+                {"weight_decay": self.inherited_weight_decay(size, tpp, injection.holds)}
+                if wrong_tau
+                else {}
+            )
+            yield self.run(Role.FAULT, size, tpp, 0, fault=fault, variant=variant)
+
+    def contrast_runs(self) -> Iterator[Planned]:
+        """The contrast (family.contrast): the family's runs of its band again, each size with
+        the weight decay the smallest size's would give it (``contrast.holds``: eta * lambda or
+        lambda), so tau is not held fixed. The smallest size's runs already have it: the
+        contrast uses the family's own (contrast_members), it plans no twins."""
+        family, band = self.family, self.family.contrast_band()
+        if band is None:
+            return
+        smallest = family.smallest_size().name
+        chosen = family.contrast.sizes or [s.name for s in family.sizes if s.name != smallest]
+        for size in (s for s in family.sizes if s.name in chosen):
+            decay = self.inherited_weight_decay(size, band, family.contrast.holds)
+            for seed in family.contrast.seeds or self.seeds(size):
+                yield self.run(Role.CONTRAST, size, band, seed, variant={"weight_decay": decay})
+
+    def all_runs(self) -> Iterator[Planned]:
+        yield from self.family_runs()
+        for sweep in self.family.sweeps:
+            yield from self.sweep_runs(sweep)
+        yield from self.fault_runs()
+        yield from self.contrast_runs()
 
 
 def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
@@ -424,177 +682,54 @@ def sweep_variants(sweep: SweepSpec) -> list[dict[str, float]]:
     ]
 
 
-def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
-    """Every run of the family; ConfigError (naming the size) when a run cannot be laid out."""
+def corpus_size(cfg: Config) -> tuple[int, str]:
+    """The corpus's tokens as its metadata gives them, or 0 and why it could not be counted."""
     from collapse.data import estimate_corpus_tokens
 
-    family = cfg.family
-    layout = FamilyLayout.of(family.name, cfg.results)
+    layout = FamilyLayout.of(cfg.family.name, cfg.results)
+    try:
+        return estimate_corpus_tokens(cfg.family.data, layout.data_dir), ""
+    except ValueError as err:  # a streamed source of unknown size, a package not installed
+        return 0, str(err)
+
+
+def shared_with(runs: list[RunSpec]) -> list[str]:
+    """For each run, the family run it trains exactly like (a sweep's, ``Role.may_share``), or
+    ""."""
+    family: dict[str, str] = {}
+    for spec in runs:
+        if spec.role == Role.FAMILY:
+            family.setdefault(spec.outputs_key(), spec.run)
+    return [family.get(s.outputs_key(), "") if s.role.may_share else "" for s in runs]
+
+
+def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
+    """Every run of the family; ConfigError (naming the size) when a run cannot be laid out."""
     corpus_unknown = ""
     if corpus_tokens is None:
-        try:
-            corpus_tokens = estimate_corpus_tokens(family.data, layout.data_dir)
-        except ValueError as err:  # a streamed source of unknown size, a package not installed
-            corpus_tokens, corpus_unknown = 0, str(err)
-    runs, rows = [], []
-    family_runs: dict[str, str] = {}  # outputs key -> family run
-
-    def add(spec: RunSpec, facts: dict) -> None:
-        key = spec.outputs_key()
-        same_as = ""
-        if spec.role == "family":
-            family_runs.setdefault(key, spec.run)
-        elif spec.role in ("sweep", "sweep_reference"):
-            same_as = family_runs.get(key, "")
-        runs.append(spec)
-        rows.append(_row(spec, facts | {"same_as": same_as}))
-
+        corpus_tokens, corpus_unknown = corpus_size(cfg)
     try:
-        for tpp in family.tpp:
-            for size in family.sizes:
-                seeds = (
-                    family.reference.seeds if size.name in family.reference.sizes else family.seeds
-                )
-                for seed in seeds:
-                    add(*plan_run(cfg, size, tpp, seed, corpus_tokens=corpus_tokens))
-        for sweep in family.sweeps:
-            size = family.size(sweep.size)
-            tpp = sweep.tpp if sweep.tpp is not None else family.tpp[0]
-            ref_size = family.size(sweep.reference_size or family.reference.sizes[0])
-            taus = {}
-            for variant in sweep_variants(sweep):
-                spec, facts = plan_run(
-                    cfg, size, tpp, sweep.seed, corpus_tokens=corpus_tokens, sweep=sweep,
-                    variant=variant,
-                )  # fmt: skip
-                add(spec, facts)
-                taus.setdefault(round(spec.optim.tau, 4), spec.optim.tau)
-            for tau in taus.values():  # one small full-length run per control (tau) of the grid
-                add(
-                    *plan_run(
-                        cfg,
-                        ref_size,
-                        tpp,
-                        sweep.seed,
-                        corpus_tokens=corpus_tokens,
-                        sweep=sweep,
-                        variant={"tau": tau},
-                        role="sweep_reference",
-                    )  # fmt: skip
-                )
-        for spec, facts in plan_fault_experiment(cfg, corpus_tokens):
-            add(spec, facts)
-        for spec, facts in plan_contrast(cfg, corpus_tokens):
-            add(spec, facts)
+        planned = list(Planner(cfg, corpus_tokens).all_runs())
     except parallel.LayoutError as err:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
+    runs = [p.spec for p in planned]
     _check_ranges(runs)
+    rows = [
+        _row(p.spec, p.facts | {"same_as": same_as})
+        for p, same_as in zip(planned, shared_with(runs), strict=True)
+    ]
     table = pd.DataFrame(rows, columns=RUNS_COLUMNS)
     return Plan(config=cfg, runs=tuple(runs), table=table, corpus_unknown=corpus_unknown)
-
-
-def inherited_weight_decay(smallest: Optimization, own: Optimization, holds: HeldDecay) -> float:
-    """The lambda a size gets when its weight decay is taken over from the smallest size instead
-    of solved from tau: lambda itself (``weight_decay``) or the AdamW shrink per step eta * lambda
-    (``decay_per_step``, as one LR and one lambda for every size apply it)."""
-    if holds == "decay_per_step":
-        return smallest.lr_peak * smallest.weight_decay / own.lr_peak
-    return smallest.weight_decay
-
-
-def plan_fault_experiment(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
-    """The fault-detection experiment: each injected fault in one size (default: the largest),
-    seed 0 (the family's own run of that size is its clean twin), plus clean seeds of that size
-    the family does not train already. wrong_tau keeps the smallest size's eta*lambda or lambda."""
-    family = cfg.family
-    spec = family.faults
-    if spec is None:
-        return []
-    size = family.fault_size()
-    tpp = spec.tpp if spec.tpp is not None else family.tpp[0]
-    out = []
-    own_seeds = family.reference.seeds if size.name in family.reference.sizes else family.seeds
-    for seed in spec.clean_seeds:
-        if seed not in own_seeds:
-            clean = FaultInjection(name="clean")
-            out.append(
-                plan_run(
-                    cfg, size, tpp, seed, corpus_tokens=corpus_tokens, role="fault", fault=clean
-                )
-            )
-    smallest = family.smallest_size()
-    for injection in spec.injections:
-        at = injection.at_fraction if injection.at_fraction is not None else spec.at_fraction
-        fault = FaultInjection(
-            kind=injection.kind,
-            at_fraction=0.0 if injection.kind == "wrong_tau" else at,
-            magnitude=injection.magnitude,
-            name=injection.name,
-        )
-        variant = {}
-        if injection.kind == "wrong_tau":  # the smallest size's decay, not rescaled
-            small, _ = plan_run(cfg, smallest, tpp, 0, corpus_tokens=corpus_tokens)
-            own, _ = plan_run(cfg, size, tpp, 0, corpus_tokens=corpus_tokens)
-            variant = {
-                "weight_decay": inherited_weight_decay(small.optim, own.optim, injection.holds)
-            }
-        out.append(
-            plan_run(
-                cfg,
-                size,
-                tpp,
-                0,
-                corpus_tokens=corpus_tokens,
-                role="fault",
-                fault=fault,
-                variant=variant,
-            )  # fmt: skip
-        )
-    return out
-
-
-def plan_contrast(cfg: Config, corpus_tokens: int) -> list[tuple[RunSpec, dict]]:
-    """The contrast (family.contrast): the family's runs of its band again, each size with the
-    weight decay the smallest size's would give it (``contrast.holds``: eta * lambda or lambda),
-    so tau is not held fixed. The smallest size's runs already have it: the contrast uses the
-    family's own (contrast_members), it plans no twins."""
-    family = cfg.family
-    band = family.contrast_band()
-    if band is None:
-        return []
-    smallest = family.smallest_size()
-    small, _ = plan_run(cfg, smallest, band, 0, corpus_tokens=corpus_tokens)
-    out = []
-    chosen = family.contrast.sizes or [s.name for s in family.sizes if s.name != smallest.name]
-    for size in (s for s in family.sizes if s.name in chosen):
-        own, _ = plan_run(cfg, size, band, 0, corpus_tokens=corpus_tokens)
-        decay = inherited_weight_decay(small.optim, own.optim, family.contrast.holds)
-        seeds = family.contrast.seeds or (
-            family.reference.seeds if size.name in family.reference.sizes else family.seeds
-        )
-        for seed in seeds:
-            out.append(
-                plan_run(
-                    cfg,
-                    size,
-                    band,
-                    seed,
-                    corpus_tokens=corpus_tokens,
-                    role="contrast",
-                    variant={"weight_decay": decay},
-                )  # fmt: skip
-            )
-    return out
 
 
 def contrast_members(table: pd.DataFrame) -> pd.DataFrame:
     """The rows of the runs the contrast is measured on (a plan table or runs.csv): the family's
     runs of the smallest size in the contrast's band (its lambda is the contrast's already), then
     the contrast's own runs. Empty for a family without a contrast."""
-    own = table[table.role == "contrast"]
+    own = table[table.role == Role.CONTRAST]
     if own.empty:
         return own
-    family = table[(table.role == "family") & (table.tpp_band == own.tpp_band.iloc[0])]
+    family = table[(table.role == Role.FAMILY) & (table.tpp_band == own.tpp_band.iloc[0])]
     width = family.n_layers * family.d_model**2  # as FamilySpec.smallest_size ranks sizes
     shared = family[width == width.min()]
     return pd.concat([shared, own])
@@ -706,9 +841,10 @@ def plan_report_markdown(plan: Plan) -> str:
         "",
         fam.description,
         "",
-        f"- runs: {len(t)} ({(t.role == 'family').sum()} family, "
-        f"{t.role.isin(['sweep', 'sweep_reference']).sum()} sweep, "
-        f"{(t.role == 'fault').sum()} fault experiment, {(t.role == 'contrast').sum()} contrast)"
+        f"- runs: {len(t)} ({(t.role == Role.FAMILY).sum()} family, "
+        f"{t.role.isin(SWEEP_ROLES).sum()} sweep, "
+        f"{(t.role == Role.FAULT).sum()} fault experiment, "
+        f"{(t.role == Role.CONTRAST).sum()} contrast)"
         + (
             f"; {len(t) - len(trained)} of them a family run's twin, trained once"
             if len(t) > len(trained)
@@ -771,7 +907,7 @@ def plot_plan(table: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fam = table[table.role == "family"].groupby("size", sort=False).first().reset_index()
+    fam = table[table.role == Role.FAMILY].groupby("size", sort=False).first().reset_index()
     fam = fam.sort_values("params")
     hours_col = "gpu_hours" if fam["gpu_hours"].sum() > 0 else "wall_hours"
     panels = [
@@ -781,7 +917,7 @@ def plot_plan(table: pd.DataFrame, path: Path) -> None:
     ]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
     for ax, (col, label) in zip(axes, panels, strict=True):
-        for band, rows in table[table.role == "family"].groupby("tpp_band"):
+        for band, rows in table[table.role == Role.FAMILY].groupby("tpp_band"):
             rows = rows.groupby("size", sort=False).first().sort_values("params")
             ax.plot(rows["params"], rows[col], "o-", label=f"TPP {band:g}")
         ax.set_xscale("log")

@@ -35,6 +35,7 @@ from matplotlib.ticker import NullFormatter
 from collapse import curves as C
 from collapse.layout import FamilyLayout
 from collapse.reference import ALIGN_WINDOW, ReferenceCurve, aligned_residuals
+from collapse.roles import Role
 
 PUBLISHED_RESULTS = Path(__file__).resolve().parent / "data" / "published_results.csv"
 CELERITY_OVERRIDES = ("family=celerity", "cluster=slurm_h100")
@@ -229,7 +230,7 @@ class _Band:
 
 
 def _bands(layout: FamilyLayout, runs: pd.DataFrame, matrix: C.CurveMatrix) -> list[_Band]:
-    family = runs[runs["role"] == "family"]
+    family = runs[runs["role"] == Role.FAMILY]
     out = []
     for band in sorted(family["tpp_band"].unique()):
         names = set(family.loc[family["tpp_band"] == band, "run"])
@@ -589,7 +590,8 @@ def celerity_table(celerity_plan=None) -> pd.DataFrame:
 
         celerity_plan = plan_family(load_config(list(CELERITY_OVERRIDES)), corpus_tokens=0)
     table = getattr(celerity_plan, "table", celerity_plan)
-    rows = table[(table["role"] == "family") & np.isclose(table["tpp_band"], CELERITY_RELEASED_TPP)]
+    released = np.isclose(table["tpp_band"], CELERITY_RELEASED_TPP)
+    rows = table[(table["role"] == Role.FAMILY) & released]
     rows = rows.groupby("size", sort=False)[["params", "tokens", "flops"]].first().reset_index()
     rows["model"] = "Celerity-" + rows["size"].astype(str)
     return rows
@@ -800,7 +802,7 @@ def family_table(
     gates: dict[str, dict],
 ) -> pd.DataFrame:
     """Table (f): one row per planned family run, blank where a stage has not run yet."""
-    family = runs[runs["role"] == "family"]
+    family = runs[runs["role"] == Role.FAMILY]
     meta = matrix.meta if matrix is not None else pd.DataFrame(columns=["final_loss", "t_hat_max"])
     rows = []
     for _, r in family.iterrows():
@@ -898,7 +900,7 @@ def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> lis
 
     # (b) Delta vs sigma
     all_bands = (
-        sorted(runs.loc[runs.role == "family", "tpp_band"].unique()) if runs is not None else []
+        sorted(runs.loc[runs.role == Role.FAMILY, "tpp_band"].unique()) if runs is not None else []
     )
     stats = load_collapse_stats(layout, all_bands)
     if stats:
@@ -1008,7 +1010,7 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
 
     if not (layout.contrast_dir / "collapse").is_dir():
         return
-    contrast = family_row(layout.root, "lambda held fixed: tau drifts with size", "contrast")
+    contrast = family_row(layout.root, "lambda held fixed: tau drifts with size", Role.CONTRAST)
     if not contrast:
         rep.missing.append("contrast: no contrast/collapse/tpp<band>/collapse.json yet")
         return

@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from collapse.roles import Role
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -146,7 +148,7 @@ class RunSpec(_Strict):
     size: str
     tpp_band: float  # the requested TPP
     tpp: float  # realized TPP = tokens / params
-    role: Literal["family", "sweep", "sweep_reference", "fault", "contrast"] = "family"
+    role: Role = Role.FAMILY
     sweep: str = ""
     variant: dict[str, float] = Field(default_factory=dict)
     params: int  # N, all parameters, embeddings included

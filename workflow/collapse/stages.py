@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from collapse.roles import Role
+
 
 def _reference(args: argparse.Namespace) -> int:
     from collapse.analysis import build_reference
@@ -82,8 +84,8 @@ def _sweep(args: argparse.Namespace) -> int:
     curves = smooth(read_curves(args.curves, args.runs))
     runs = pd.read_csv(args.runs).set_index("run")
     mine = runs.loc[[r for r in curves.runs if r in runs.index]]
-    references = mine[mine.role == "sweep_reference"]
-    variants = mine[mine.role == "sweep"]
+    references = mine[mine.role == Role.SWEEP_REFERENCE]
+    variants = mine[mine.role == Role.SWEEP]
     if references.empty or variants.empty:
         raise SystemExit("error: a sweep needs its variants and its sweep_reference runs")
     tables = []

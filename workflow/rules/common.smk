@@ -17,6 +17,7 @@ from snakemake.exceptions import WorkflowError
 from collapse.config import CONFIG_DIR_ENV, ConfigError, hydra_overrides, load_config
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
+from collapse.roles import Role
 from collapse.runspec import spec_hash
 
 
@@ -51,8 +52,8 @@ FAMILY = CFG.family
 LAYOUT = PLAN.layout
 ROOT = str(LAYOUT.root)
 TPP_BANDS = [f"{b:g}" for b in FAMILY.tpp]
-FAMILY_RUNS = PLAN.run_names("family")
-SWEEP_RUNS = PLAN.run_names("sweep")
+FAMILY_RUNS = PLAN.run_names(Role.FAMILY)
+SWEEP_RUNS = PLAN.run_names(Role.SWEEP)
 SWEEPS = [s.name for s in FAMILY.sweeps]
 # sweep run -> the family run it duplicates (trained once, rule share_run)
 SHARED_RUNS = PLAN.shared_runs()
@@ -91,7 +92,7 @@ def spec_sha(wildcards):
 
 def runs_in_band(band, *, reference_only=False):
     rows = PLAN.table[
-        (PLAN.table.role == "family") & (PLAN.table.tpp_band == float(band))
+        (PLAN.table.role == Role.FAMILY) & (PLAN.table.tpp_band == float(band))
     ]
     if reference_only:
         rows = rows[rows.is_reference]
@@ -152,12 +153,12 @@ def detect_runs():
     band = spec.tpp if spec.tpp is not None else FAMILY.tpp[0]
     t = PLAN.table
     own = t[
-        (t.role == "family")
+        (t.role == Role.FAMILY)
         & (t["size"] == FAMILY.fault_size().name)
         & (t.tpp_band == band)
         & t.seed.isin(spec.clean_seeds)
     ]
-    return list(own.run) + PLAN.run_names("fault")
+    return list(own.run) + PLAN.run_names(Role.FAULT)
 
 
 REFERENCE_PRIORITY = 100

@@ -1,0 +1,48 @@
+"""Run roles: one type whose members are the strings of spec files and runs.csv, and which owns
+each role's name, early stop and reference and monitor flags."""
+
+import io
+
+import pandas as pd
+
+from collapse.config import load_config
+from collapse.plan import plan_family
+from collapse.roles import SWEEP_ROLES, Role
+from collapse.runspec import RunSpec
+
+
+def test_a_role_is_its_string_in_a_spec_file_and_in_runs_csv():
+    plan = plan_family(load_config(["family=tiny", "faults=standard"]), corpus_tokens=10**9)
+    assert {s.role for s in plan.runs} == set(Role)
+    for spec in plan.runs:
+        assert f'"role": "{spec.role.value}"' in spec.to_json()
+        assert RunSpec.model_validate_json(spec.to_json()).role == spec.role
+    read_back = pd.read_csv(io.StringIO(plan.table.to_csv(index=False)))
+    for role in Role:
+        assert list(read_back.run[read_back.role == role]) == plan.run_names(role)
+    assert set(read_back.run[read_back.role.isin(SWEEP_ROLES)]) == {
+        s.run for s in plan.runs if s.sweep
+    }
+
+
+def test_each_role_names_its_runs_and_sets_its_flags():
+    plan = plan_family(load_config(["family=tiny", "faults=standard"]), corpus_tokens=10**9)
+    table = plan.table.set_index("run")
+    prefixes = {
+        Role.FAMILY: "d",
+        Role.SWEEP: "sweep-",
+        Role.SWEEP_REFERENCE: "sweepref-",
+        Role.FAULT: "fault-",
+        Role.CONTRAST: "contrast-",
+    }
+    for spec in plan.runs:
+        assert spec.run.startswith(prefixes[spec.role]), spec.run
+        row = table.loc[spec.run]
+        assert not row.is_reference or spec.role == Role.FAMILY
+        assert not row.monitored or spec.role in (Role.FAMILY, Role.FAULT)
+        assert spec.optim.stop_fraction == 1.0 or spec.role == Role.SWEEP
+        assert (row.same_as == "") or spec.role.in_sweep
+    reference = set(table.index[table.is_reference])
+    assert reference and {plan.spec(r).size for r in reference} <= set(
+        plan.config.family.reference.sizes
+    )
