@@ -33,11 +33,18 @@ PINNED = Path(__file__).parent / "data" / "train_pinned_d96.json"
 STEPS = 24
 CURVE = ("step", "tokens", "loss", "grad_norm", "lr", "weight_decay", "data_fraction", "restart")
 VALID = ("step", "valid_loss")
-# lr_spike: LRs x 10 for 1 % of the schedule (4 steps) from step round(0.04 * 370) = 15
+# Each fault from step round(0.04 * 370) = 15. lr_spike: LRs x 10 for 1 % of the schedule (4
+# steps); data_repeat: the batches of steps 11-14 over and over; loss_kernel: the loss of every 4th
+# token only; loss_bias: the reported loss + 0.5.
+AT = 0.04
 FAULTS = {
     "clean": FaultInjection(),
-    "lr_spike": FaultInjection(kind="lr_spike", at_fraction=0.04, magnitude=10.0),
+    "lr_spike": FaultInjection(kind="lr_spike", at_fraction=AT, magnitude=10.0),
+    "data_repeat": FaultInjection(kind="data_repeat", at_fraction=AT, magnitude=0.01),
+    "loss_kernel": FaultInjection(kind="loss_kernel", at_fraction=AT, magnitude=0.75),
+    "loss_bias": FaultInjection(kind="loss_bias", at_fraction=AT, magnitude=0.5),
 }
+FAST = ("clean", "lr_spike")  # the others train for as long: slow
 REPIN = os.environ.get("COLLAPSE_REPIN") == "1"
 
 
@@ -88,7 +95,9 @@ def _written(spec: RunSpec) -> dict:
     }
 
 
-@pytest.mark.parametrize("case", list(FAULTS))
+@pytest.mark.parametrize(
+    "case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in FAULTS]
+)
 def test_training_reproduces_the_pinned_curve(tmp_path: Path, case: str):
     spec = _spec(tmp_path, case)
     proc = run_training(spec, tmp_path)
