@@ -11,9 +11,10 @@ import pytest
 from test_train_support import losses, run_training, tiny_spec
 
 from collapse import controls
+from collapse.faults import Faults
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.scaling import lr_at
-from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, Faults, steps_target
+from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, steps_target
 
 
 def _ok(proc) -> None:
