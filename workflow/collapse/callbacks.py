@@ -25,8 +25,12 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # for the annotations only: see the end of the docstring
+    from collapse.train import Loop
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -58,23 +62,23 @@ def log(message: str) -> None:
 class Callback:
     """A part of the training loop; each hook does nothing unless a subclass says otherwise."""
 
-    def on_train_start(self, loop) -> None:
+    def on_train_start(self, loop: Loop) -> None:
         pass
 
-    def on_step_start(self, loop) -> None:
+    def on_step_start(self, loop: Loop) -> None:
         pass
 
-    def on_loss(self, loop) -> None:
+    def on_loss(self, loop: Loop) -> None:
         pass
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         pass
 
-    def on_train_end(self, loop) -> None:
+    def on_train_end(self, loop: Loop) -> None:
         pass
 
 
-def call(callbacks: list[Callback], hook: str, loop) -> None:
+def call(callbacks: list[Callback], hook: str, loop: Loop) -> None:
     """Call ``hook`` of each callback in order, until one of them ends the run."""
     for callback in callbacks:
         getattr(callback, hook)(loop)
@@ -86,7 +90,7 @@ def call(callbacks: list[Callback], hook: str, loop) -> None:
 class NonFiniteLoss(Callback):
     """A NaN/inf loss stops the run (exit 4) without saving: the last good checkpoint is kept."""
 
-    def on_loss(self, loop) -> None:
+    def on_loss(self, loop: Loop) -> None:
         if math.isfinite(loop.loss):
             return
         raise TrainingError(
@@ -107,14 +111,14 @@ class Progress(Callback):
     """The job log: a line every ``logging.log_every_steps`` (and at this job's first and last
     step) with loss, LR, grad norm, tokens/s of this job and its ETA."""
 
-    def on_train_start(self, loop) -> None:
+    def on_train_start(self, loop: Loop) -> None:
         self.started, self.tokens = time.time(), 0
         log(
             f"training steps {loop.first_step}..{loop.target} of {loop.total} "
             f"(data: {loop.dataset_tokens:,} tokens)"
         )
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         self.tokens += loop.batch_tokens
         step = loop.step
         due = step % max(1, loop.spec.logging.log_every_steps) == 0
@@ -133,7 +137,7 @@ class Progress(Callback):
 class Evaluation(Callback):
     """The held-out loss every ``logging.eval_every_steps`` and at this job's last step."""
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         every, step = loop.spec.logging.eval_every_steps, loop.step
         if not ((every > 0 and step % every == 0) or step == loop.target):
             return
@@ -172,7 +176,7 @@ class ControlsAudit(Callback):
     def __init__(self, monitor):
         self.monitor = monitor
 
-    def on_loss(self, loop) -> None:
+    def on_loss(self, loop: Loop) -> None:
         self.monitor.audit_controls(loop.step, loop.lr, loop.weight_decay)
 
 
@@ -184,12 +188,12 @@ class CollapseMonitor(Callback):
     def __init__(self, monitor):
         self.monitor = monitor
 
-    def on_train_start(self, loop) -> None:
+    def on_train_start(self, loop: Loop) -> None:
         if self.monitor is not None:  # a resumed run: the monitor sees the whole curve again
             for row in loop.state.curve:
                 self.monitor.observe(row["step"], row["t_hat"], row["loss"])
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         alarm = self.verdict(loop.spec, loop.step, loop.loss)
         if alarm is None:
             return
@@ -233,10 +237,10 @@ class Preemption(Callback):
     def _handle(self, signum, frame) -> None:
         self.signal = signum
 
-    def on_step_start(self, loop) -> None:
+    def on_step_start(self, loop: Loop) -> None:
         loop.stop_requested = 1.0 if self.signal is not None else 0.0
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         if loop.stop_anywhere:
             loop.save_checkpoint()
             log(f"stop signal received: saved step {loop.step}; rerun to resume")
@@ -246,11 +250,11 @@ class Preemption(Callback):
 class Checkpointing(Callback):
     """A checkpoint every ``logging.checkpoint_every_steps`` and one of the last step."""
 
-    def on_step_end(self, loop) -> None:
+    def on_step_end(self, loop: Loop) -> None:
         every = loop.spec.logging.checkpoint_every_steps
         if every > 0 and loop.step % every == 0 and loop.step != loop.target:
             loop.save_checkpoint()
 
-    def on_train_end(self, loop) -> None:
+    def on_train_end(self, loop: Loop) -> None:
         if not loop.checkpoint_exists():
             loop.save_checkpoint()

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from collapse.callbacks import EXIT_OK, Callback, log
 from collapse.runspec import RunSpec
+
+if TYPE_CHECKING:  # for the annotations only (collapse.callbacks says why)
+    from collapse.train import Loop
 
 LR_SPIKE_STEPS_FRACTION = 0.01  # an lr_spike fault lasts 1 % of the schedule
 
@@ -92,10 +96,10 @@ class InjectFault(Callback):
         self.faults = faults
         self.factor = 1.0
 
-    def on_train_start(self, loop) -> None:
+    def on_train_start(self, loop: Loop) -> None:
         self.base = loop.reduce_loss
 
-    def on_step_start(self, loop) -> None:
+    def on_step_start(self, loop: Loop) -> None:
         step = loop.step
         self.factor = self.faults.lr_factor(step)
         if self.factor != 1.0:  # the scheduler sets every group's LR again after the step
@@ -104,7 +108,7 @@ class InjectFault(Callback):
         loop.data_step = self.faults.data_step(step)
         loop.reduce_loss = self.faults.reduction(step, self.base)
 
-    def on_loss(self, loop) -> None:
+    def on_loss(self, loop: Loop) -> None:
         loop.lr *= self.factor
         loop.loss += self.faults.loss_bias(loop.step)
 
@@ -119,7 +123,7 @@ class NonFiniteOutcome(Callback):
     outcome, so the curve up to and including the non-finite step is the run's output (meta.json
     says ``stopped: nonfinite``) and the job exits 0."""
 
-    def on_loss(self, loop) -> None:
+    def on_loss(self, loop: Loop) -> None:
         if math.isfinite(loop.loss):
             return
         loop.update_wall_time()
