@@ -214,3 +214,29 @@ def test_a_monitor_alarm_with_stop_on_alarm_saves_and_stops_then_resumes(tmp_pat
     assert curve.loc[curve["restart"], "step"].tolist() == [step + 1]
     last = json.loads((Path(spec.run_dir) / "monitor.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 20 and last["status"] == "alarm"  # aligned again after the replay
+
+
+def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
+    """A production run has no fault callback; a fault run gets its fault first (it changes what
+    the others see) and its NaN as an outcome; a monitored run gets the monitor on every rank."""
+    from collapse.callbacks import Preemption
+    from collapse.runspec import FaultInjection, Monitor
+    from collapse.train import callbacks_for
+
+    preemption = Preemption.__new__(Preemption)  # its handlers stay out of this process
+
+    def names(spec) -> list[str]:
+        return [type(c).__name__ for c in callbacks_for(spec, preemption)]
+
+    production = ["NonFiniteLoss", "Progress", "Evaluation", "Preemption", "Checkpointing"]
+    assert names(tiny_spec(tmp_path)) == production
+    fault = FaultInjection(kind="lr_spike", at_fraction=0.5, magnitude=2.0)
+    faulty = tiny_spec(tmp_path, fault=fault).model_copy(update={"role": "fault"})
+    assert names(faulty) == ["InjectFault", "NonFiniteOutcome", *production[1:]]
+    assert names(tiny_spec(tmp_path, fault=fault))[:2] == ["InjectFault", "NonFiniteLoss"]
+    # the monitor reads its reference when made: rank 0 here, so the audit attaches too
+    reference = tmp_path / "reference.csv"
+    reference.write_text("t_hat,ell,lower,upper\n0.0,1.0,0.99,1.01\n1.0,0.5,0.49,0.51\n")
+    monitor = Monitor(enabled=True, reference_csv=str(reference), every_steps=10)
+    got = names(tiny_spec(tmp_path, monitor=monitor, run_dir=str(tmp_path / "run")))
+    assert got == ["ControlsAudit", *production[:3], "CollapseMonitor", *production[3:]]
