@@ -223,24 +223,17 @@ class Stack:
 
 
 def build_stack(spec: RunSpec) -> Stack:
+    """The model (µP init, DDP-wrapped), its AdamW with one group per µP group, and the LR
+    schedule; parameters counted over the whole model (all pipeline stages)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from collapse.model import (
-        build_gpt_model,
-        count_parameters,
-        lr_by_group,
-        params_dtype,
-        wd_mult_by_group,
-    )
-    from megatron_patches.mup import lr_overrides
+    from collapse.model import build_gpt_model, count_parameters
 
     on_gpu = torch.cuda.is_available()
     model = build_gpt_model(
@@ -270,8 +263,21 @@ def build_stack(spec: RunSpec) -> Stack:
         module=model,
     )
     config.finalize_model_grads_func = finalize_model_grads
+    optimizer = build_optimizer(model, spec, use_distributed_optimizer)
+    scheduler = build_scheduler(optimizer, spec)
+    return Stack(model, optimizer, scheduler, get_forward_backward_func(), int(counted.item()))
+
+
+def build_optimizer(model, spec: RunSpec, use_distributed_optimizer: bool):
+    """Megatron's AdamW (decoupled weight decay), each µP group with its own LR and λ."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from collapse.model import lr_by_group, params_dtype, wd_mult_by_group
+    from megatron_patches.mup import lr_overrides
+
+    on_gpu = torch.cuda.is_available()
     mup, optim = spec.mup, spec.optim
-    optimizer = get_megatron_optimizer(
+    return get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",  # torch AdamW: decoupled weight decay
             lr=mup.lr_hidden,
@@ -290,10 +296,17 @@ def build_stack(spec: RunSpec) -> Stack:
             lr_by_group(spec), spec.model.tied_embeddings, wd_mult_by_group(spec)
         ),
     )
-    scheduler = OptimizerParamScheduler(
+
+
+def build_scheduler(optimizer, spec: RunSpec):
+    """Linear warmup, then linear decay to 0 over the full ``optim.steps``; constant λ."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim = spec.optim
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=mup.lr_hidden,
+        max_lr=spec.mup.lr_hidden,
         min_lr=0.0,
         lr_warmup_steps=optim.warmup_steps,
         lr_decay_steps=optim.steps,
@@ -303,7 +316,6 @@ def build_stack(spec: RunSpec) -> Stack:
         wd_incr_steps=optim.steps,
         wd_incr_style="constant",
     )
-    return Stack(model, optimizer, scheduler, get_forward_backward_func(), int(counted.item()))
 
 
 # ------------------------------------------------------------------------------ steps
