@@ -234,6 +234,8 @@ def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
     faulty = tiny_spec(tmp_path, fault=fault).model_copy(update={"role": "fault"})
     assert names(faulty) == ["InjectFault", "NonFiniteOutcome", *production[1:]]
     assert names(tiny_spec(tmp_path, fault=fault))[:2] == ["InjectFault", "NonFiniteLoss"]
+    planned = FaultInjection(kind="wrong_tau", at_fraction=0.0, magnitude=2.0)  # the plan's
+    assert names(tiny_spec(tmp_path, fault=planned)) == production
     # the monitor reads its reference when made: rank 0 here, so the audit attaches too
     reference = tmp_path / "reference.csv"
     reference.write_text("t_hat,ell,lower,upper\n0.0,1.0,0.99,1.01\n1.0,0.5,0.49,0.51\n")

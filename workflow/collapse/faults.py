@@ -20,6 +20,13 @@ if TYPE_CHECKING:  # for the annotations only (collapse.callbacks says why)
     from collapse.train import Loop
 
 LR_SPIKE_STEPS_FRACTION = 0.01  # an lr_spike fault lasts 1 % of the schedule
+# The kinds a training run injects; wrong_tau is realized by the plan (the weight decay in optim).
+TRAINING_FAULTS = ("loss_bias", "loss_kernel", "lr_spike", "data_repeat", "nan_loss")
+
+
+def injects(spec: RunSpec) -> bool:
+    """Whether the run's training injects a fault (InjectFault attaches)."""
+    return spec.fault.kind in TRAINING_FAULTS
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ from collapse.callbacks import (  # the job's exit codes: its callers import the
     make_monitor,
     rank,
 )
-from collapse.faults import Faults, InjectFault, NonFiniteOutcome, nonfinite_is_outcome
+from collapse.faults import Faults, InjectFault, NonFiniteOutcome, injects, nonfinite_is_outcome
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.runspec import RunSpec, spec_hash
 
@@ -721,7 +721,7 @@ def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
     """The run's callbacks, in the order their hooks are called: what its spec asks for."""
     monitor = make_monitor(spec)  # rank 0's, when the spec enables it
     callbacks: list[Callback] = []
-    if spec.fault.kind != "none":
+    if injects(spec):
         callbacks.append(InjectFault(Faults.of(spec)))
     if monitor is not None:
         callbacks.append(ControlsAudit(monitor))
