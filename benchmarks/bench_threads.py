@@ -63,7 +63,7 @@ def worker(spec_path: Path, threads: int, steps: int, warmup: int) -> dict:
 
     megatron_patches.apply()
     from collapse.runspec import RunSpec
-    from collapse.train import LossFault, build_stack, init_distributed, train_step
+    from collapse.train import build_stack, init_distributed, train_step
 
     spec = RunSpec.model_validate_json(spec_path.read_text())
     init_distributed(spec)
@@ -79,10 +79,10 @@ def worker(spec_path: Path, threads: int, steps: int, warmup: int) -> dict:
     }
     batches = [batch] * spec.parallel.grad_accum
     for _ in range(warmup):
-        train_step(stack, batches, spec, fault=LossFault(), stop=0.0)
+        train_step(stack, batches, spec)
     t0 = time.perf_counter()
     for _ in range(steps):
-        train_step(stack, batches, spec, fault=LossFault(), stop=0.0)
+        train_step(stack, batches, spec)
     seconds = time.perf_counter() - t0
     return {"tokens_per_s": steps * spec.optim.batch_seqs * seq / seconds}
 

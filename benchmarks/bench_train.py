@@ -1,6 +1,6 @@
 """Benchmark: training throughput and memory of the Megatron path against a plain PyTorch GPT.
 
-Issue 3, item 7 (prints figures; not a test). The Megatron path is what ``collapse.train`` runs:
+Prints figures; not a test. The Megatron path is what ``collapse.train`` runs:
 ``build_stack`` (the project's GPTModel, Megatron DDP, ``get_megatron_optimizer`` with the µP
 group overrides, ``get_forward_backward_func``) and ``train_step``. The reference is
 ``plain_gpt.PlainGPT`` (nanoGPT-style, SDPA attention, torch AdamW, grad clipping) of the same
@@ -48,7 +48,7 @@ LAYERS, D_MODEL, HEADS, SEQ, BATCH = 6, 384, 6, 256, 8
 
 
 def bench_spec(root: Path):
-    """The benchmark's RunSpec: µP of PAPER.md section 7, learned positions (as nanoGPT)."""
+    """The benchmark's RunSpec: µP of docs/method.md §7, learned positions (as nanoGPT)."""
     base = tiny_spec(
         root,
         run="bench",
@@ -93,14 +93,14 @@ def megatron_runner(spec):
     import megatron_patches
 
     megatron_patches.apply()
-    from collapse.train import LossFault, build_stack, init_distributed, train_step
+    from collapse.train import build_stack, init_distributed, train_step
 
     init_distributed(spec)
     stack = build_stack(spec)
     batch = fixed_batch(spec.model.vocab_size)
 
     def step() -> float:
-        loss, _, _ = train_step(stack, [batch], spec, fault=LossFault(), stop=0.0)
+        loss, _, _ = train_step(stack, [batch], spec)
         return loss
 
     return step, stack.params_counted

@@ -11,9 +11,10 @@ import pytest
 from test_train_support import losses, run_training, tiny_spec
 
 from collapse import controls
+from collapse.faults import Faults
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.scaling import lr_at
-from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, Faults, steps_target
+from collapse.train import EXIT_BAD_INPUT, EXIT_NONFINITE, steps_target
 
 
 def _ok(proc) -> None:
@@ -161,3 +162,83 @@ def test_loss_kernel_fault_changes_training_only_from_its_step(tmp_path: Path):
     assert a[:5] == b[:5]  # steps 1-5 (the fault starts at step 6)
     assert all(x != y for x, y in zip(a[6:], b[6:], strict=True))
     assert all(math.isfinite(y) for y in b)
+
+
+def _monitored(tmp_path: Path, stop: bool):
+    """A run whose monitor checks every 2 steps against a synthetic family's reference, with a
+    threshold no real curve stays within: it alarms at its first check after the align window."""
+    from synthetic import synthetic_family
+
+    from collapse import analysis
+    from collapse.runspec import Monitor
+
+    reference = tmp_path / "reference" / "reference.csv"
+    if not reference.is_file():
+        family = synthetic_family({"s1": 3.4, "s2": 3.1}, steps=200, rng_seed=3)
+        family.to_csv(tmp_path / "family.csv", index=False)
+        analysis.build_reference([tmp_path / "family.csv"], None, ["s1", "s2"], reference.parent)
+    monitor = Monitor(
+        enabled=True,
+        reference_csv=str(reference),
+        every_steps=2,
+        threshold=1e-9,
+        stop_on_alarm=stop,
+    )
+    return tiny_spec(tmp_path, steps=20, d_model=64, monitor=monitor)
+
+
+def test_a_monitor_alarm_with_stop_on_alarm_saves_and_stops_then_resumes(tmp_path: Path):
+    """stop_on_alarm: the alarm step is checkpointed and the job exits 3 without outputs; the
+    rerun without it resumes there (the monitor sees the restored curve again) and finishes."""
+    from collapse.checkpoint import latest_complete, step_of
+    from collapse.train import EXIT_MONITOR_ALARM
+
+    spec = _monitored(tmp_path, stop=True)
+    proc = run_training(spec, tmp_path)
+    assert proc.returncode == EXIT_MONITOR_ALARM, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [json.loads(line) for line in (Path(spec.run_dir) / "monitor.jsonl").open()]
+    print([(line["status"], line.get("step")) for line in lines])
+    # the controls audit: this spec's eta * lambda is not the rate of the reference's tau
+    assert [line["status"] for line in lines].count("controls") == 1
+    checks = [line for line in lines if line["status"] != "controls"]
+    assert {c["status"] for c in checks[:-1]} == {"waiting"}
+    step = checks[-1]["step"]
+    assert checks[-1]["status"] == "alarm" and 2 < step < 20
+    assert f"collapse monitor alarm at step {step}" in proc.stderr
+    assert step_of(latest_complete(spec.checkpoint_dir)) == step
+    assert not (Path(spec.run_dir) / "meta.json").exists()
+
+    _ok(run_training(_monitored(tmp_path, stop=False), tmp_path))
+    curve = pd.read_parquet(Path(spec.run_dir) / "curve.parquet")
+    assert curve["step"].tolist() == list(range(1, 21))
+    assert curve.loc[curve["restart"], "step"].tolist() == [step + 1]
+    last = json.loads((Path(spec.run_dir) / "monitor.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 20 and last["status"] == "alarm"  # aligned again after the replay
+
+
+def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
+    """A production run has no fault callback; a fault run gets its fault first (it changes what
+    the others see) and its NaN as an outcome; a monitored run gets the monitor on every rank."""
+    from collapse.callbacks import Preemption
+    from collapse.runspec import FaultInjection, Monitor
+    from collapse.train import callbacks_for
+
+    preemption = Preemption.__new__(Preemption)  # its handlers stay out of this process
+
+    def names(spec) -> list[str]:
+        return [type(c).__name__ for c in callbacks_for(spec, preemption)]
+
+    production = ["NonFiniteLoss", "Progress", "Evaluation", "Preemption", "Checkpointing"]
+    assert names(tiny_spec(tmp_path)) == production
+    fault = FaultInjection(kind="lr_spike", at_fraction=0.5, magnitude=2.0)
+    faulty = tiny_spec(tmp_path, fault=fault).model_copy(update={"role": "fault"})
+    assert names(faulty) == ["InjectFault", "NonFiniteOutcome", *production[1:]]
+    assert names(tiny_spec(tmp_path, fault=fault))[:2] == ["InjectFault", "NonFiniteLoss"]
+    planned = FaultInjection(kind="wrong_tau", at_fraction=0.0, magnitude=2.0)  # the plan's
+    assert names(tiny_spec(tmp_path, fault=planned)) == production
+    # the monitor reads its reference when made: rank 0 here, so the audit attaches too
+    reference = tmp_path / "reference.csv"
+    reference.write_text("t_hat,ell,lower,upper\n0.0,1.0,0.99,1.01\n1.0,0.5,0.49,0.51\n")
+    monitor = Monitor(enabled=True, reference_csv=str(reference), every_steps=10)
+    got = names(tiny_spec(tmp_path, monitor=monitor, run_dir=str(tmp_path / "run")))
+    assert got == ["ControlsAudit", *production[:3], "CollapseMonitor", *production[3:]]

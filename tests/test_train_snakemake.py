@@ -1,6 +1,6 @@
-"""A small size trains for real through Snakemake: plan, data, train. tiny_tpp5's d48 (the
-experiments family config/family/experiments/tiny_tpp5.yaml, 0.7M tokens) rather than tiny's d96 (3.2M tokens),
-so that CI spends its minutes on the end-to-end family test instead."""
+"""A small size trains for real through Snakemake: plan, data, train. tiny_tpp5's d48 (0.7M
+tokens) rather than tiny's d96 (3.2M tokens), so that CI spends its minutes on the end-to-end family
+test instead."""
 
 import json
 

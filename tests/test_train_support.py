@@ -93,7 +93,7 @@ def tiny_spec(
     stop_fraction: float = 1.0,
     **overrides,
 ) -> RunSpec:
-    """A complete RunSpec of a tiny model (µP numbers of PAPER.md section 7, base width 32)."""
+    """A complete RunSpec of a tiny model (µP numbers of docs/method.md §7, base width 32)."""
     train, valid = make_datasets(root)
     head_dim = d_model // n_heads
     d_base, width_mult = 32, d_model / 32

@@ -17,6 +17,11 @@ Exit codes: 0 finished; 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint 
 resume); 3 the online collapse monitor raised an alarm (checkpoint saved); 4 the loss became
 NaN/inf (the last good checkpoint is kept); 2 bad spec or data.
 
+``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
+checkpoints, the job log, the collapse monitor and its controls audit, preemption and an injected
+fault are callbacks (collapse.callbacks, collapse.faults), attached by ``callbacks_for`` where the
+spec asks for them.
+
 The batch of step t (1-based) is the global samples [(t-1)*B, t*B) of Megatron's GPTDataset
 (shuffled by the spec's seed, as many epochs as needed); data-parallel rank r takes its slice,
 cut into micro-batches. Because it depends only on t, a resumed run sees exactly the data of an
@@ -33,38 +38,43 @@ import json
 import math
 import os
 import platform
-import signal
 import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from collapse import checkpoint
+from collapse.callbacks import (  # the job's exit codes: its callers import them from here
+    EXIT_BAD_INPUT,
+    EXIT_MONITOR_ALARM,  # noqa: F401
+    EXIT_NONFINITE,  # noqa: F401
+    EXIT_OK,
+    EXIT_PREEMPTED,  # noqa: F401
+    EXIT_SAVE_FAILED,  # noqa: F401
+    Callback,
+    Checkpointing,
+    CollapseMonitor,
+    ControlsAudit,
+    Evaluation,
+    NonFiniteLoss,
+    Preemption,
+    Progress,
+    TrainingError,
+    call,
+    log,
+    make_monitor,
+    rank,
+)
+from collapse.faults import Faults, InjectFault, NonFiniteOutcome, injects, nonfinite_is_outcome
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.runspec import RunSpec, spec_hash
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_MONITOR_ALARM = 3
-EXIT_NONFINITE = 4
-EXIT_SAVE_FAILED = 5  # a checkpoint could not be written; the previous one is intact
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again", the job resumes from its checkpoint
-
 CURVE_FILE, VALID_FILE, META_FILE = "curve.parquet", "valid.parquet", "meta.json"
-MONITOR_FILE = "monitor.jsonl"
-LR_SPIKE_STEPS_FRACTION = 0.01  # an lr_spike fault lasts 1 % of the schedule
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot continue; the message says why and what to do."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 # ------------------------------------------------------------------------------ environment
@@ -118,15 +128,6 @@ def init_distributed(spec: RunSpec) -> None:
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp
     )
     tensor_parallel.model_parallel_cuda_manual_seed(spec.optim.seed)
-
-
-def rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def log(message: str) -> None:
-    if rank() == 0:
-        print(message, flush=True)
 
 
 # ------------------------------------------------------------------------------ data
@@ -222,24 +223,17 @@ class Stack:
 
 
 def build_stack(spec: RunSpec) -> Stack:
+    """The model (µP init, DDP-wrapped), its AdamW with one group per µP group, and the LR
+    schedule; parameters counted over the whole model (all pipeline stages)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from collapse.model import (
-        build_gpt_model,
-        count_parameters,
-        lr_by_group,
-        params_dtype,
-        wd_mult_by_group,
-    )
-    from megatron_patches.mup import lr_overrides
+    from collapse.model import build_gpt_model, count_parameters
 
     on_gpu = torch.cuda.is_available()
     model = build_gpt_model(
@@ -269,8 +263,21 @@ def build_stack(spec: RunSpec) -> Stack:
         module=model,
     )
     config.finalize_model_grads_func = finalize_model_grads
+    optimizer = build_optimizer(model, spec, use_distributed_optimizer)
+    scheduler = build_scheduler(optimizer, spec)
+    return Stack(model, optimizer, scheduler, get_forward_backward_func(), int(counted.item()))
+
+
+def build_optimizer(model, spec: RunSpec, use_distributed_optimizer: bool):
+    """Megatron's AdamW (decoupled weight decay), each µP group with its own LR and λ."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from collapse.model import lr_by_group, params_dtype, wd_mult_by_group
+    from megatron_patches.mup import lr_overrides
+
+    on_gpu = torch.cuda.is_available()
     mup, optim = spec.mup, spec.optim
-    optimizer = get_megatron_optimizer(
+    return get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",  # torch AdamW: decoupled weight decay
             lr=mup.lr_hidden,
@@ -289,10 +296,17 @@ def build_stack(spec: RunSpec) -> Stack:
             lr_by_group(spec), spec.model.tied_embeddings, wd_mult_by_group(spec)
         ),
     )
-    scheduler = OptimizerParamScheduler(
+
+
+def build_scheduler(optimizer, spec: RunSpec):
+    """Linear warmup, then linear decay to 0 over the full ``optim.steps``; constant λ."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optim = spec.optim
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=mup.lr_hidden,
+        max_lr=spec.mup.lr_hidden,
         min_lr=0.0,
         lr_warmup_steps=optim.warmup_steps,
         lr_decay_steps=optim.steps,
@@ -302,91 +316,30 @@ def build_stack(spec: RunSpec) -> Stack:
         wd_incr_steps=optim.steps,
         wd_incr_style="constant",
     )
-    return Stack(model, optimizer, scheduler, get_forward_backward_func(), int(counted.item()))
-
-
-# ------------------------------------------------------------------------------ faults
-@dataclass(frozen=True)
-class Faults:
-    """The spec's FaultInjection, resolved to steps (off unless spec.fault.kind != none)."""
-
-    kind: str
-    step: int  # first faulty step (1-based); 0 when off
-    magnitude: float
-    total_steps: int
-
-    @classmethod
-    def of(cls, spec: RunSpec) -> Faults:
-        kind = spec.fault.kind
-        step = 0 if kind == "none" else max(1, round(spec.fault.at_fraction * spec.optim.steps))
-        return cls(kind, step, spec.fault.magnitude, spec.optim.steps)
-
-    def loss_bias(self, step: int) -> float:
-        """loss_bias: the reported loss is shifted by magnitude (a faulty loss kernel)."""
-        return self.magnitude if self.kind == "loss_bias" and step >= self.step else 0.0
-
-    def lr_factor(self, step: int) -> float:
-        """lr_spike: all LRs x magnitude for 1 % of the schedule from the fault step."""
-        length = max(1, round(LR_SPIKE_STEPS_FRACTION * self.total_steps))
-        active = self.kind == "lr_spike" and self.step <= step < self.step + length
-        return self.magnitude if active else 1.0
-
-    def data_step(self, step: int) -> int:
-        """data_repeat: from the fault step the loader replays the last magnitude x T steps'
-        batches over and over (a loader stuck on a window of its shard), so the model memorizes
-        them; magnitude 0 rewinds once to the start of training and goes on from there."""
-        if self.kind != "data_repeat" or step < self.step:
-            return step
-        if self.magnitude <= 0:
-            return step - self.step + 1
-        window = min(self.step - 1, max(1, round(self.magnitude * self.total_steps)))
-        return max(1, self.step - window + (step - self.step) % max(1, window))
-
-    def poisons_loss(self, step: int) -> bool:
-        """nan_loss: the training loss of the fault step is NaN (gradients too)."""
-        return self.kind == "nan_loss" and step == self.step
-
-    def kept_every(self, step: int) -> int:
-        """loss_kernel (the paper's failure: a loss kernel that goes wrong at the micro-batch
-        size of a restart): from the fault step the loss is reduced over every k-th token only,
-        k = 1/(1 - magnitude). The reported loss stays unbiased; the gradients are noisier, so
-        the run falls behind slowly instead of spiking. 1: every token counts."""
-        if self.kind != "loss_kernel" or step < self.step or self.magnitude <= 0:
-            return 1
-        return max(1, round(1.0 / max(1e-6, 1.0 - self.magnitude)))
-
-    def loss_fault(self, step: int) -> LossFault:
-        return LossFault(poison=self.poisons_loss(step), kept_every=self.kept_every(step))
-
-
-@dataclass(frozen=True)
-class LossFault:
-    """What a fault does to one step's loss reduction (nothing by default)."""
-
-    poison: bool = False
-    kept_every: int = 1
 
 
 # ------------------------------------------------------------------------------ steps
-def _loss_func(loss_mask: torch.Tensor, fault: LossFault):
-    def loss_func(per_token_loss: torch.Tensor):
-        mask = loss_mask.float().reshape(-1)
-        if fault.kept_every > 1:  # the loss_kernel fault: a strided subset of the tokens
-            mask = mask * (torch.arange(mask.numel()) % fault.kept_every == 0).to(mask)
-        loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-        if fault.poison:
-            loss = loss * float("nan")
-        # the pipeline schedule divides the returned loss in place: report a clone
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return loss_func
+LossReduction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _forward_step_factory(fault: LossFault):
+def token_mean(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The training loss of a micro-batch: the mean per-token loss over its unmasked tokens."""
+    mask = loss_mask.float().reshape(-1)
+    return (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _forward_step_factory(reduce_loss: LossReduction):
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return output, _loss_func(batch["loss_mask"], fault)
+        loss_mask = batch["loss_mask"]
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss = reduce_loss(per_token_loss, loss_mask)
+            # the pipeline schedule divides the returned loss in place: report a clone
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
 
     return forward_step
 
@@ -421,13 +374,19 @@ def hidden_weight_decay(stack: Stack, spec: RunSpec) -> float:
 
 
 def train_step(
-    stack: Stack, batches: list[dict], spec: RunSpec, fault: LossFault, stop: float
+    stack: Stack,
+    batches: list[dict],
+    spec: RunSpec,
+    reduce_loss: LossReduction = token_mean,
+    stop: float = 0.0,
 ) -> tuple[float, float, bool]:
-    """One optimizer update; returns (loss, grad_norm, stop_requested_anywhere)."""
+    """One optimizer update; returns (loss, grad_norm, stop_requested_anywhere).
+
+    ``stop`` (1.0: this rank asks to stop) is summed over the world with the loss."""
     stack.model.zero_grad_buffer()
     stack.optimizer.zero_grad()
     losses = stack.forward_backward(
-        forward_step_func=_forward_step_factory(fault),
+        forward_step_func=_forward_step_factory(reduce_loss),
         data_iterator=iter(batches),
         model=[stack.model],
         num_microbatches=spec.parallel.grad_accum,
@@ -450,7 +409,7 @@ def evaluate(stack: Stack, valid, spec: RunSpec) -> float:
     for b in range(batches):
         micro = micro_batches(valid, b * spec.optim.batch_seqs, spec)
         losses = stack.forward_backward(
-            forward_step_func=_forward_step_factory(LossFault()),
+            forward_step_func=_forward_step_factory(token_mean),
             data_iterator=iter(micro),
             model=[stack.model],
             num_microbatches=spec.parallel.grad_accum,
@@ -639,55 +598,170 @@ def write_outputs(
     tmp.replace(run_dir / META_FILE)
 
 
-# ------------------------------------------------------------------------------ monitor
-def make_monitor(spec: RunSpec):
-    """The online collapse monitor (rank 0 only: it owns monitor.jsonl), or None when off."""
-    if not spec.monitor.enabled or rank() != 0:
-        return None
-    try:
-        from collapse.monitor import OnlineMonitor
-    except ImportError as err:
-        raise TrainingError(
-            f"monitor.enabled is true but collapse.monitor cannot be imported ({err}); "
-            "install the monitor stage or set monitor.enabled=false in the plan",
-            EXIT_BAD_INPUT,
-        ) from err
-    return OnlineMonitor(spec, Path(spec.run_dir) / MONITOR_FILE)
+# ------------------------------------------------------------------------------ the loop
+@dataclass
+class Loop:
+    """A run in progress, as the callbacks see it (collapse.callbacks): its parts, what they
+    may ask of it, and the step being trained."""
+
+    spec: RunSpec
+    stack: Stack
+    state: RunState
+    train_set: object
+    valid_set: object
+    dataset_tokens: int  # tokens in the training split (data_fraction is in its epochs)
+    target: int  # the last step this job trains
+    started: float  # when this job started (time.time())
+    lock: object = None  # the run's lock file, held while the job lives
+    exit_code: int | None = None  # set by a hook: the run ends there
+    # the step in progress; the hooks of collapse.callbacks say who may change what
+    step: int = 0
+    step_started: float = 0.0
+    data_step: int = 0
+    reduce_loss: LossReduction = token_mean
+    stop_requested: float = 0.0
+    stop_anywhere: bool = False
+    weight_decay: float = math.nan
+    loss: float = math.nan
+    lr: float = math.nan
+    grad_norm: float = math.nan
+    seconds: float = 0.0
+
+    def __post_init__(self):
+        self.first_step = self.state.step + 1
+        self.wall_before = self.state.wall_time_s
+        self.total = self.spec.optim.steps
+        self.batch_tokens = self.spec.optim.batch_seqs * self.spec.model.seq_len
+
+    def begin(self, step: int) -> None:
+        self.step, self.step_started = step, time.time()
+        self.data_step, self.reduce_loss = step, token_mean
+
+    def row(self) -> dict:
+        """This step's row of curve.parquet."""
+        self.seconds = time.time() - self.step_started
+        return {
+            "run": self.spec.run,
+            "step": self.step,
+            "tokens": self.step * self.batch_tokens,
+            "t_hat": self.step / self.total,
+            "loss": self.loss,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
+            "grad_norm": self.grad_norm,
+            "tokens_per_s": self.batch_tokens / self.seconds if self.seconds > 0 else math.nan,
+            "micro_batch_seqs": self.spec.parallel.micro_batch_seqs,
+            "data_fraction": self.data_step * self.batch_tokens / self.dataset_tokens,
+            "restart": self.step == self.first_step and bool(self.state.restarts),
+        }
+
+    def record(self) -> None:
+        """The step is done: its row goes on the curve."""
+        self.state.curve.append(self.row())
+        self.state.step = self.step
+        self.state.train_time_s += self.seconds
+
+    def update_wall_time(self) -> None:
+        self.state.wall_time_s = self.wall_before + time.time() - self.started
+
+    def evaluate(self) -> float:
+        return evaluate(self.stack, self.valid_set, self.spec)
+
+    def save_checkpoint(self) -> Path:
+        self.update_wall_time()
+        return save_checkpoint(self.stack, self.spec, self.state)
+
+    def checkpoint_exists(self) -> bool:
+        return checkpoint_exists_for(self.spec, self.state.step)
+
+    def write_outputs(self, stopped: str = "") -> None:
+        if rank() == 0:
+            write_outputs(self.spec, self.state, self.stack, self.target, stopped)
 
 
-def monitor_step(monitor, spec: RunSpec, step: int, loss: float) -> str | None:
-    """Feed the monitor; every monitor.every_steps return its alarm message (all ranks agree)."""
-    if not spec.monitor.enabled:
-        return None
-    every = spec.monitor.every_steps
-    message = None
+def start(spec: RunSpec, started: float) -> Loop:
+    """Everything before the first step: threads, patches, data, the lock on the run, the world,
+    the model and optimizer, and the resume from the newest complete checkpoint."""
+    import megatron_patches
+
+    threads = set_threads(spec)
+    patches = megatron_patches.apply()
+    verify_datasets(spec)
+    lock = None
+    if int(os.environ.get("RANK", "0")) == 0:  # one training per run (the job's rank 0 holds it)
+        try:
+            lock = checkpoint.lock_run(spec.checkpoint_dir)
+        except checkpoint.CheckpointError as err:
+            raise TrainingError(str(err), EXIT_BAD_INPUT) from None
+    init_distributed(spec)
+    par = spec.parallel
+    log(
+        f"run {spec.run}: params {spec.params:,} tokens {spec.optim.tokens:,} steps "
+        f"{spec.optim.steps} batch {spec.optim.batch_seqs}x{spec.model.seq_len} "
+        f"(micro {par.micro_batch_seqs} x accum {par.grad_accum} x dp {par.dp}) tp {par.tp} "
+        f"pp {par.pp}; threads {threads}; patches {', '.join(patches)}"
+    )
+    train_set, valid_set = build_datasets(spec)
+    stack = build_stack(spec)
+    state = resume(stack, spec)
+    return Loop(
+        spec,
+        stack,
+        state,
+        train_set,
+        valid_set,
+        train_tokens_in_dataset(train_set),
+        steps_target(spec),
+        started,
+        lock,
+    )
+
+
+def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
+    """The run's callbacks, in the order their hooks are called: what its spec asks for."""
+    monitor = make_monitor(spec)  # rank 0's, when the spec enables it
+    callbacks: list[Callback] = []
+    if injects(spec):
+        callbacks.append(InjectFault(Faults.of(spec)))
     if monitor is not None:
-        monitor.observe(step, step / spec.optim.steps, loss)
-        if every > 0 and step % every == 0:
-            verdict = monitor.check()
-            message = verdict.message if verdict.alarm else None
-    if every > 0 and step % every == 0:
-        box = [message]
-        torch.distributed.broadcast_object_list(box, src=0)
-        message = box[0]
-    return message
+        callbacks.append(ControlsAudit(monitor))
+    callbacks.append(NonFiniteOutcome() if nonfinite_is_outcome(spec) else NonFiniteLoss())
+    callbacks += [Progress(), Evaluation()]
+    if spec.monitor.enabled:
+        callbacks.append(CollapseMonitor(monitor))
+    return [*callbacks, preemption, Checkpointing()]
 
 
-# ------------------------------------------------------------------------------ signals
-class StopFlag:
-    """SIGTERM/SIGUSR1 (Slurm preemption) ask the loop to finish the step, save and exit."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-
-    @property
-    def requested(self) -> float:
-        return 1.0 if self.signal is not None else 0.0
+def run(spec: RunSpec) -> int:
+    """Train (or resume) one run; return the exit code."""
+    started = time.time()
+    preemption = Preemption()  # first: a signal during the setup stops the run after a step
+    loop = start(spec, started)
+    callbacks = callbacks_for(spec, preemption)
+    call(callbacks, "on_train_start", loop)
+    for step in range(loop.first_step, loop.target + 1):
+        loop.begin(step)
+        call(callbacks, "on_step_start", loop)
+        loop.weight_decay = hidden_weight_decay(loop.stack, spec)
+        batches = micro_batches(loop.train_set, (loop.data_step - 1) * spec.optim.batch_seqs, spec)
+        loop.loss, loop.grad_norm, loop.stop_anywhere = train_step(
+            loop.stack, batches, spec, loop.reduce_loss, loop.stop_requested
+        )
+        loop.lr = scheduler_lr_at(loop.stack.scheduler, step - 1, spec.mup.lr_hidden)
+        call(callbacks, "on_loss", loop)
+        if loop.exit_code is None:
+            loop.record()
+            call(callbacks, "on_step_end", loop)
+        if loop.exit_code is not None:
+            return loop.exit_code
+    loop.update_wall_time()
+    call(callbacks, "on_train_end", loop)
+    loop.write_outputs()
+    log(
+        f"done: {loop.state.step} steps, final loss {loop.state.curve[-1]['loss']:.4f}, "
+        f"{loop.state.train_time_s:.1f} s training"
+    )
+    return EXIT_OK
 
 
 def steps_target(spec: RunSpec) -> int:
@@ -696,162 +770,6 @@ def steps_target(spec: RunSpec) -> int:
     if not 0 < fraction <= 1:
         raise TrainingError(f"optim.stop_fraction={fraction} must be in (0, 1]", EXIT_BAD_INPUT)
     return max(1, min(spec.optim.steps, math.ceil(fraction * spec.optim.steps - 1e-9)))
-
-
-def _fmt_eta(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
-# ------------------------------------------------------------------------------ main loop
-def run(spec: RunSpec) -> int:
-    """Train (or resume) one run; return the exit code."""
-    import megatron_patches
-
-    started = time.time()
-    threads = set_threads(spec)
-    patches = megatron_patches.apply()
-    stop = StopFlag()
-    verify_datasets(spec)
-    if int(os.environ.get("RANK", "0")) == 0:  # one training per run (the job's rank 0 holds it)
-        try:
-            run_lock = checkpoint.lock_run(spec.checkpoint_dir)  # noqa: F841 (held until exit)
-        except checkpoint.CheckpointError as err:
-            raise TrainingError(str(err), EXIT_BAD_INPUT) from None
-    init_distributed(spec)
-    log(
-        f"run {spec.run}: params {spec.params:,} tokens {spec.optim.tokens:,} steps "
-        f"{spec.optim.steps} batch {spec.optim.batch_seqs}x{spec.model.seq_len} "
-        f"(micro {spec.parallel.micro_batch_seqs} x accum {spec.parallel.grad_accum} x dp "
-        f"{spec.parallel.dp}) tp {spec.parallel.tp} pp {spec.parallel.pp}; threads {threads}; "
-        f"patches {', '.join(patches)}"
-    )
-    train_set, valid_set = build_datasets(spec)
-    dataset_tokens = train_tokens_in_dataset(train_set)
-    stack = build_stack(spec)
-    state = resume(stack, spec)
-    monitor = make_monitor(spec)
-    if monitor is not None:  # a resumed run: the monitor sees the whole curve again
-        for row in state.curve:
-            monitor.observe(row["step"], row["t_hat"], row["loss"])
-    faults = Faults.of(spec)
-    target = steps_target(spec)
-    batch_tokens = spec.optim.batch_seqs * spec.model.seq_len
-    total = spec.optim.steps
-    first_step = state.step + 1
-    session_start, session_tokens = time.time(), 0
-    log(f"training steps {first_step}..{target} of {total} (data: {dataset_tokens:,} tokens)")
-
-    wall_before = state.wall_time_s
-
-    def update_wall_time() -> None:
-        state.wall_time_s = wall_before + time.time() - started
-
-    for step in range(first_step, target + 1):
-        t0 = time.time()
-        factor = faults.lr_factor(step)
-        if factor != 1.0:
-            for group in stack.optimizer.param_groups:
-                group["lr"] *= factor
-        weight_decay = hidden_weight_decay(stack, spec)
-        data_step = faults.data_step(step)
-        batches = micro_batches(train_set, (data_step - 1) * spec.optim.batch_seqs, spec)
-        loss, grad_norm, stop_any = train_step(
-            stack, batches, spec, faults.loss_fault(step), stop.requested
-        )
-        lr_used = scheduler_lr_at(stack.scheduler, step - 1, spec.mup.lr_hidden) * factor
-        loss += faults.loss_bias(step)
-        seconds = time.time() - t0
-        row = {
-            "run": spec.run,
-            "step": step,
-            "tokens": step * batch_tokens,
-            "t_hat": step / total,
-            "loss": loss,
-            "lr": lr_used,
-            "weight_decay": weight_decay,
-            "grad_norm": grad_norm,
-            "tokens_per_s": batch_tokens / seconds if seconds > 0 else float("nan"),
-            "micro_batch_seqs": spec.parallel.micro_batch_seqs,
-            "data_fraction": data_step * batch_tokens / dataset_tokens,
-            "restart": step == first_step and bool(state.restarts),
-        }
-        if monitor is not None:  # warns (through logging, into the job's log) once if off
-            monitor.audit_controls(step, lr_used, weight_decay)
-        if not math.isfinite(loss) and spec.role == "fault":
-            # a fault-injection run: the stop is the measured outcome, so the curve up to and
-            # including the non-finite step is the run's output (meta.json says why it ended)
-            update_wall_time()
-            state.curve.append(row)
-            state.step = step
-            if rank() == 0:
-                write_outputs(spec, state, stack, target, stopped="nonfinite")
-            log(f"fault run stopped: loss {loss} at step {step} (t_hat {step / total:.4f})")
-            return EXIT_OK
-        if not math.isfinite(loss):
-            update_wall_time()
-            raise TrainingError(
-                f"loss is {loss} at step {step} (t_hat {step / total:.4f}, lr {lr_used:.3e}, "
-                f"grad norm {grad_norm:.3e}): stopping without saving. The last good "
-                f"checkpoint in {spec.checkpoint_dir} is kept; lower the LR or fix the data, "
-                "then rerun to resume from it.",
-                EXIT_NONFINITE,
-            )
-        state.step = step
-        state.train_time_s += seconds
-        session_tokens += batch_tokens
-        tokens = step * batch_tokens
-        state.curve.append(row)
-        if step % max(1, spec.logging.log_every_steps) == 0 or step in (first_step, target):
-            rate = session_tokens / max(1e-9, time.time() - session_start)
-            eta = (target - step) * batch_tokens / rate if rate > 0 else 0.0
-            log(
-                f"step {step}/{total} tokens {tokens:,} t_hat {step / total:.4f} loss {loss:.4f} "
-                f"lr {lr_used:.3e} grad_norm {grad_norm:.3f} tokens/s {rate:,.0f} "
-                f"data {state.curve[-1]['data_fraction']:.3f} ep ETA {_fmt_eta(eta)}"
-            )
-        every_eval = spec.logging.eval_every_steps
-        if (every_eval > 0 and step % every_eval == 0) or step == target:
-            valid_loss = evaluate(stack, valid_set, spec)
-            state.valid.append(
-                {
-                    "run": spec.run,
-                    "step": step,
-                    "tokens": tokens,
-                    "t_hat": step / total,
-                    "valid_loss": valid_loss,
-                }
-            )
-            log(f"step {step} valid_loss {valid_loss:.4f}")
-        alarm = monitor_step(monitor, spec, step, loss)
-        if alarm is not None:
-            log(f"collapse monitor alarm at step {step}: {alarm}")
-            if spec.monitor.stop_on_alarm:
-                update_wall_time()
-                save_checkpoint(stack, spec, state)
-                raise TrainingError(
-                    f"collapse monitor alarm at step {step}: {alarm}", EXIT_MONITOR_ALARM
-                )
-        if stop_any:
-            update_wall_time()
-            save_checkpoint(stack, spec, state)
-            log(f"stop signal received: saved step {step}; rerun to resume")
-            return EXIT_PREEMPTED
-        every_ckpt = spec.logging.checkpoint_every_steps
-        if every_ckpt > 0 and step % every_ckpt == 0 and step != target:
-            update_wall_time()
-            save_checkpoint(stack, spec, state)
-
-    update_wall_time()
-    if not checkpoint_exists_for(spec, state.step):
-        save_checkpoint(stack, spec, state)
-    if rank() == 0:
-        write_outputs(spec, state, stack, target)
-    log(
-        f"done: {state.step} steps, final loss {state.curve[-1]['loss']:.4f}, "
-        f"{state.train_time_s:.1f} s training"
-    )
-    return EXIT_OK
 
 
 def scheduler_lr_at(scheduler, num_steps: int, max_lr: float) -> float:
