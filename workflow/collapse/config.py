@@ -189,7 +189,7 @@ HeldDecay = Literal["decay_per_step", "weight_decay"]
 
 
 class FaultSpec(_Spec):
-    """One injected fault (collapse.train.Faults says what each kind does to the run).
+    """One injected fault (collapse.faults.Faults says what each kind does to the run).
 
     magnitude: loss_kernel, the share of tokens the broken reduction drops (0.875: keeps 1 in 8);
     lr_spike, the LR factor for 1 % of the schedule; data_repeat, the window of the last

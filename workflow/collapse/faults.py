@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from collapse.callbacks import EXIT_OK, Callback, log
+from collapse.roles import Role
 from collapse.runspec import RunSpec
 
 if TYPE_CHECKING:  # for the annotations only (collapse.callbacks says why)
@@ -122,7 +123,7 @@ class InjectFault(Callback):
 
 def nonfinite_is_outcome(spec: RunSpec) -> bool:
     """A run of the fault experiment measures where its loss breaks: a NaN ends it, not fails it."""
-    return spec.role == "fault"
+    return spec.role == Role.FAULT
 
 
 class NonFiniteOutcome(Callback):

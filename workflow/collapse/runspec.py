@@ -128,7 +128,7 @@ class Monitor(_Strict):
 
 
 class FaultInjection(_Strict):
-    """Off by default; the fault-detection experiment (collapse.train.Faults) turns it on.
+    """Off by default; the fault-detection experiment (collapse.faults.Faults) turns it on.
 
     ``wrong_tau`` is realized by the plan (the weight decay in ``optim``); training ignores it.
     ``name`` labels the experiment's runs ("clean" for its clean seeds).
