@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     rows = []
     started = time.monotonic()
     tmp = None
+    interrupted = False
     if args.session_dir:
         args.session_dir.mkdir(parents=True, exist_ok=True)
         session_dir = args.session_dir.resolve()
@@ -277,6 +278,7 @@ def main(argv=None) -> int:
         for module in modules:
             rows.append(run_module(module, args, session_dir))
     except KeyboardInterrupt:
+        interrupted = True
         print("interrupted; restoring the module files", file=sys.stderr)
     finally:
         restored = restore(originals)
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
     if not clean:
         print("ERROR: workflow/collapse differs from git after the run", file=sys.stderr)
         return 1
-    return 0
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":
