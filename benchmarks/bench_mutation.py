@@ -52,7 +52,11 @@ PACKAGE = Path("workflow/collapse")
 
 # module -> the fast test files that exercise it (those that import it, not marked slow)
 MODULE_TESTS = {
-    "analysis": ["tests/test_gates.py", "tests/test_pinned_statistics.py", "tests/test_detect.py"],
+    "analysis": [
+        "tests/test_pinned_statistics.py",
+        "tests/test_gates.py",
+        "tests/test_bad_curves.py",
+    ],
     "gates": ["tests/test_gates.py", "tests/test_pinned_statistics.py"],
     "reference": [
         "tests/test_reference.py",
