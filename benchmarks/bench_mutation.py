@@ -15,9 +15,10 @@ test run kills the mutant, a run past the timeout counts as killed too (column "
 score = (killed + timeout) / run. The unmutated tests run first and must pass; the default
 timeout is 3 x that baseline + 10 s.
 
-Printed: a table per module (mutants generated, run, killed, survived, timeout, score %) and
-every surviving mutant (file:line, operator, the line before -> after). --session-dir keeps the
-session databases (`cr-report DIR/gates.sqlite` reads one). A benchmark: nothing is asserted.
+Printed: a table per module (mutants generated, run, killed, survived, timeout, score %, minutes)
+and every surviving mutant (file:line, the enclosing function, operator, the line before ->
+after). --session-dir keeps the session databases (`cr-report DIR/gates.sqlite` reads one).
+A benchmark: nothing is asserted.
 
 Mutating in place is guarded three ways: the script refuses to start when a module file has
 uncommitted changes, restores every module file from memory on exit (Ctrl-C and SIGTERM too),
@@ -182,7 +183,8 @@ def run_module(module: str, args, session_dir: Path) -> dict:
             row["run"] += 1
             row[status] += 1
             if status == "survived":
-                survivors.append((f"{PACKAGE / module}.py:{line}", op, changed_line(before, after)))
+                where = f"{PACKAGE / module}.py:{line} in {spec.definition_name or 'the module'}"
+                survivors.append((where, op, changed_line(before, after)))
             db.set_result(
                 item.job_id,
                 WorkResult(
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "workflow"), str(ROOT), os.environ.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
+    commit = git("rev-parse", "--short", "HEAD").stdout.strip()
     originals = {ROOT / f: (ROOT / f).read_bytes() for f in files}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _terminate)
@@ -294,7 +297,6 @@ def main(argv=None) -> int:
         print(f"restored from memory: {', '.join(map(str, restored))}", file=sys.stderr)
     clean = git("diff", "--quiet", "--", str(PACKAGE)).returncode == 0
 
-    commit = git("rev-parse", "--short", "HEAD").stdout.strip()
     sampled = "all mutants" if args.sample <= 0 else f"a sample of {args.sample}"
     print(f"\nmutation score, {sampled} per module, seed {args.seed}, commit {commit}")
     print(
