@@ -297,3 +297,37 @@ def test_gate_of_the_family_flags_the_size_off_the_curve_early():
     # the largest clean residual: s2's seeds at 0.8, 1.05 -+ 0.007
     assert got["s2_s2"].max_abs_residual == pytest.approx(0.007, rel=1e-9)
     assert got["s2_s0"].residual_at_max == pytest.approx(-0.007, rel=1e-9)
+
+
+def test_a_point_one_seed_covers_takes_no_part_in_the_pooled_seed_std():
+    """Group a has two rows but only one finite value in column 1: that column's noise comes
+    from group b alone. Column 0: a (1, 3) var 2, b (5, 9) var 8, pooled sqrt((2 + 8) / 2);
+    column 1: b (6, 10) var 8 alone."""
+    values = np.array([[1.0, 2.0], [3.0, np.nan], [5.0, 6.0], [9.0, 10.0]])
+    groups = np.array(["a", "a", "b", "b"])
+    assert pooled_seed_std(values, groups) == pytest.approx([np.sqrt(5.0), np.sqrt(8.0)])
+
+
+def test_the_surrogate_fit_sees_only_its_window():
+    """Points outside ``fit_window`` (here t_hat < 0.2 and > 0.8) may be anything: the fit is
+    that of the clean curves. Two tau and two TPP values, so all four constants are fitted."""
+    from collapse.surrogate import eq4_ell, fit_surrogate
+
+    grid = np.linspace(0.01, 1.0, 100)
+    tau, tpp = np.array([0.1, 0.3, 0.1, 0.3]), np.array([20.0, 20.0, 80.0, 80.0])
+    b, q = (2.0 * tau**0.5).reshape(-1, 1), (0.4 * tpp**0.1).reshape(-1, 1)
+    clean = eq4_ell(grid, b, q)
+    outside = (grid < 0.2) | (grid > 0.8)
+    spoiled = np.where(outside, 7.0, clean)
+    a = fit_surrogate(grid, clean, tau, tpp, fit_window=(0.2, 0.8))
+    z = fit_surrogate(grid, spoiled, tau, tpp, fit_window=(0.2, 0.8))
+    assert z.params == a.params and z.mae == a.mae
+    assert a.mae < 1e-3  # and the clean curves are what it fits
+
+
+def test_warmup_never_takes_the_whole_run():
+    """At least one step decays: 90 % warmup of 2 steps rounds to 2, capped at 1."""
+    from collapse.scaling import warmup_steps
+
+    assert warmup_steps(2, fraction=0.9) == 1
+    assert warmup_steps(10, fraction=0.5) == 5
