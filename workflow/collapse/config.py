@@ -281,6 +281,7 @@ class TrainingSpec(_Spec):
     eval_batches: PositiveInt = 4
     checkpoint_every_fraction: Annotated[float, Field(gt=0, le=1)] = 0.1
     keep_checkpoints: PositiveInt = 2
+    tensorboard: bool = True  # event files under results/<family>/tensorboard/<run>
 
 
 class GateSpec(_Spec):

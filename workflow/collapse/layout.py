@@ -87,6 +87,20 @@ class FamilyLayout:
     def checkpoints(self, run: str) -> Path:
         return self.root / "checkpoints" / run
 
+    # tracking (not declared outputs: a resumed run appends to its event files)
+    @property
+    def tensorboard_dir(self) -> Path:
+        """``tensorboard --logdir`` of the whole family: one subfolder per run."""
+        return self.root / "tensorboard"
+
+    def tensorboard(self, run: str) -> Path:
+        return self.tensorboard_dir / run
+
+    @classmethod
+    def of_run_dir(cls, run_dir: str | Path) -> FamilyLayout:
+        """The layout a run's ``run_dir`` (results/<family>/runs/<run>) belongs to."""
+        return cls(Path(run_dir).parent.parent)
+
     # analysis
     @property
     def reference_dir(self) -> Path:

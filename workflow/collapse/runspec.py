@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from collapse.roles import Role
 
@@ -115,6 +115,16 @@ class Logging(_Strict):
     eval_batches: int
     checkpoint_every_steps: int
     keep_checkpoints: int = 2
+    tensorboard: bool = True  # event files under results/<family>/tensorboard/<run>
+
+    @model_serializer(mode="wrap")
+    def _omit_default_tracking(self, handler):
+        """A spec that keeps TensorBoard on serializes as before it was a field, so that its
+        hash (the workflow's rerun trigger) stays that of a spec written before."""
+        out = handler(self)
+        if self.tensorboard:
+            out.pop("tensorboard", None)
+        return out
 
 
 class Monitor(_Strict):
