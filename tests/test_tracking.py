@@ -121,3 +121,22 @@ def test_tensorboard_off_writes_no_event_files(tmp_path: Path):
     assert '"tensorboard": false' in spec.to_json()
     _ok(run_training(spec, tmp_path))
     assert not tensorboard_dir(spec).exists()
+
+
+def test_the_family_config_turns_tensorboard_off_in_every_spec():
+    """training.tensorboard in the family config reaches each RunSpec's logging block; left on,
+    the spec reads as before the field existed (its hash, the rerun trigger, is unchanged)."""
+    from test_plan_digest import CONFIG, CORPUS_TOKENS
+
+    from collapse.config import load_config
+    from collapse.plan import plan_family
+
+    def plan(*overrides):
+        config = load_config(["family=tiny", "cluster=local", *overrides], CONFIG)
+        return plan_family(config, corpus_tokens=CORPUS_TOKENS)
+
+    on, off = plan(), plan("family.training.tensorboard=false")
+    assert all(spec.logging.tensorboard for spec in on.runs)
+    assert all('"tensorboard"' not in spec.to_json() for spec in on.runs)
+    assert [spec.logging.tensorboard for spec in off.runs] == [False] * len(off.runs)
+    assert '"tensorboard": false' in off.runs[0].to_json()
