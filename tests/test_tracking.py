@@ -124,8 +124,9 @@ def test_tensorboard_off_writes_no_event_files(tmp_path: Path):
 
 
 def test_the_family_config_turns_tensorboard_off_in_every_spec():
-    """training.tensorboard in the family config reaches each RunSpec's logging block; left on,
-    the spec reads as before the field existed (its hash, the rerun trigger, is unchanged)."""
+    """training.tensorboard in the family config reaches each RunSpec's logging block; left at
+    their defaults, tensorboard and wandb leave the spec as it read before they were fields (its
+    hash, the rerun trigger, is unchanged)."""
     from test_plan_digest import CONFIG, CORPUS_TOKENS
 
     from collapse.config import load_config
@@ -137,6 +138,57 @@ def test_the_family_config_turns_tensorboard_off_in_every_spec():
 
     on, off = plan(), plan("family.training.tensorboard=false")
     assert all(spec.logging.tensorboard for spec in on.runs)
+    assert not any(spec.logging.wandb for spec in on.runs)
     assert all('"tensorboard"' not in spec.to_json() for spec in on.runs)
+    assert all('"wandb"' not in spec.to_json() for spec in on.runs)
     assert [spec.logging.tensorboard for spec in off.runs] == [False] * len(off.runs)
     assert '"tensorboard": false' in off.runs[0].to_json()
+
+
+def _wandb_records(path: Path) -> list:
+    """The records of an offline W&B run file (LevelDB log blocks after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    records, pos, buffer = [], 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        buffer = chunk if kind in (1, 2) else buffer + chunk  # FULL/FIRST start a record
+        if kind in (1, 4):  # FULL/LAST end it
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buffer)
+            records.append(record)
+    return records
+
+
+def test_wandb_offline_logs_one_run_per_training_run_with_the_spec(tmp_path: Path, monkeypatch):
+    from collapse.tracking import wandb_dir, wandb_id
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = tiny_spec(tmp_path, run="tracked", steps=6)
+    spec = spec.model_copy(update={"logging": spec.logging.model_copy(update={"wandb": True})})
+    _ok(run_training(spec, tmp_path))
+    assert wandb_dir(spec) == Path(spec.run_dir).parent.parent / "wandb"
+    (path,) = wandb_dir(spec).glob(f"wandb/offline-run-*-{wandb_id(spec)}/run-*.wandb")
+    records = _wandb_records(path)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.run_id, run.run_group, run.display_name) == (wandb_id(spec), "test", "tracked")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["run"] == "tracked" and config["optim"]["steps"] == 6
+    history = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                for i in record.history.item
+            }
+            history[items["_step"]] = items
+    curve = _curve(spec)
+    assert sorted(history) == curve["step"].tolist()
+    assert [history[s]["train/loss"] for s in sorted(history)] == curve["loss"].tolist()
+    assert [history[s]["train/lr"] for s in sorted(history)] == curve["lr"].tolist()

@@ -96,6 +96,11 @@ class FamilyLayout:
     def tensorboard(self, run: str) -> Path:
         return self.tensorboard_dir / run
 
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's offline runs of the family (``wandb sync`` uploads them)."""
+        return self.root / "wandb"
+
     @classmethod
     def of_run_dir(cls, run_dir: str | Path) -> FamilyLayout:
         """The layout a run's ``run_dir`` (results/<family>/runs/<run>) belongs to."""

@@ -344,6 +344,7 @@ class RunPlan:
             checkpoint_every_steps=self.every(t.checkpoint_every_fraction),
             keep_checkpoints=t.keep_checkpoints,
             tensorboard=t.tensorboard,
+            wandb=t.wandb,
         )
 
 

@@ -116,14 +116,17 @@ class Logging(_Strict):
     checkpoint_every_steps: int
     keep_checkpoints: int = 2
     tensorboard: bool = True  # event files under results/<family>/tensorboard/<run>
+    wandb: bool = False  # an offline W&B run under results/<family>/wandb
 
     @model_serializer(mode="wrap")
     def _omit_default_tracking(self, handler):
-        """A spec that keeps TensorBoard on serializes as before it was a field, so that its
-        hash (the workflow's rerun trigger) stays that of a spec written before."""
+        """A spec that leaves tracking at its defaults serializes as before these were fields,
+        so that its hash (the workflow's rerun trigger) stays that of a spec written before."""
         out = handler(self)
         if self.tensorboard:
             out.pop("tensorboard", None)
+        if not self.wandb:
+            out.pop("wandb", None)
         return out
 
 

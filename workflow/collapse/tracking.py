@@ -1,9 +1,11 @@
-"""Live tracking of a run: TensorBoard event files, written as it trains (rank 0 only).
+"""Live tracking of a run: TensorBoard event files (on by default) and an offline W&B run
+(``logging.wandb``), written as it trains (rank 0 only).
 
     results/<family>/tensorboard/<run>/      one folder per run (collapse.layout)
     tensorboard --logdir results/<family>/tensorboard
+    results/<family>/wandb/wandb/offline-run-*   wandb sync them to upload
 
-Every run of a family logs under the same tags, so TensorBoard draws every size on one chart:
+Every run of a family logs under the same tags, so each chart holds every size of the family:
 
     train/loss, train/lr, train/grad_norm, train/tokens_per_s, train/t_hat   every step
     valid/loss                                                               at evaluations
@@ -22,7 +24,9 @@ Like collapse.callbacks, this module never imports ``collapse.train``.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from typing import TYPE_CHECKING
 
 from collapse.callbacks import EXIT_BAD_INPUT, Callback, TrainingError, rank
@@ -54,78 +58,179 @@ def _hparams(spec) -> dict:
     }
 
 
-class TensorBoard(Callback):
-    """Scalars of every step, and the collapse monitor's checks, into TensorBoard event files.
+class Tracker(Callback):
+    """Scalars of every step, and the collapse monitor's checks, into a tracking backend; a
+    subclass says how to open it and write scalars and text (rank 0 only).
 
-    ``monitor``: rank 0's OnlineMonitor when the spec enables it; its checks reach this callback
-    as they are made, after the step's scalars (it comes before CollapseMonitor in the list, so
-    the step an alarm stops the run at is logged too)."""
+    ``monitor``: rank 0's OnlineMonitor when the spec enables it; its checks reach the tracker
+    as they are made, after the step's scalars (trackers come before CollapseMonitor in the
+    list, so the step an alarm stops the run at is logged too)."""
 
     def __init__(self, monitor: OnlineMonitor | None = None):
         self.monitor = monitor
-        self.writer = None
+        self.opened = False
         self.step = 0
 
+    # the backend
+    def open(self, loop: Loop) -> None:
+        raise NotImplementedError
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # the hooks
     def on_train_start(self, loop: Loop) -> None:
         if rank() != 0:
             return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as err:
-            raise TrainingError(
-                f"logging.tensorboard is true but TensorBoard cannot be imported ({err}); "
-                "install the project's dependencies (make setup) or set "
-                "training.tensorboard: false in the family config",
-                EXIT_BAD_INPUT,
-            ) from err
-        spec = loop.spec
-        folder = tensorboard_dir(spec)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(folder), purge_step=loop.first_step)
-        self.step = loop.first_step
-        if loop.first_step == 1:  # once per run: the spec, as text and as hparams
-            self.writer.add_text("spec", f"```\n{spec.to_json()}```", 0)
-            # into this writer's file (add_hparams would open a second file in the folder,
-            # and TensorBoard follows only the newest file of a folder as it grows)
-            from torch.utils.tensorboard.summary import hparams
-
-            for summary in hparams(_hparams(spec), {"train/loss": math.nan}):
-                self.writer.file_writer.add_summary(summary, 0)
+        self.open(loop)
+        self.opened, self.step = True, loop.first_step
         if self.monitor is not None:
             self.monitor.listeners.append(self.log_verdict)
 
     def on_step_end(self, loop: Loop) -> None:
-        if self.writer is None:
+        if not self.opened:
             return
         row, step = loop.state.curve[-1], loop.step
         self.step = step
-        for name in ("loss", "lr", "grad_norm", "tokens_per_s", "t_hat"):
-            self.writer.add_scalar(f"train/{name}", row[name], step)
+        values = {
+            f"train/{k}": row[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "t_hat")
+        }
         if loop.state.valid and loop.state.valid[-1]["step"] == step:
-            self.writer.add_scalar("valid/loss", loop.state.valid[-1]["valid_loss"], step)
-        self.writer.flush()
+            values["valid/loss"] = loop.state.valid[-1]["valid_loss"]
+        self.scalars(values, step)
+        self.flush()
 
     def log_verdict(self, verdict: MonitorVerdict) -> None:
         """A check of the collapse monitor (waiting checks log the threshold alone)."""
-        if self.writer is None:
+        if not self.opened:
             return
         step = verdict.step or self.step
-        self.writer.add_scalar("monitor/threshold", verdict.threshold, step)
-        self.writer.add_scalar("monitor/alarm", float(verdict.alarm), step)
+        values = {"monitor/threshold": verdict.threshold, "monitor/alarm": float(verdict.alarm)}
         if verdict.residual is not None:
-            ell = verdict.residual + float(self.monitor.reference.at(verdict.t_hat))
-            self.writer.add_scalar("monitor/residual", verdict.residual, step)
-            self.writer.add_scalar("monitor/ell", ell, step)
+            values["monitor/residual"] = verdict.residual
+            values["monitor/ell"] = verdict.residual + float(
+                self.monitor.reference.at(verdict.t_hat)
+            )
+        self.scalars(values, step)
         if verdict.alarm:
-            self.writer.add_text("monitor/message", verdict.message, step)
-        self.writer.flush()
+            self.text("monitor/message", verdict.message, step)
+        self.flush()
 
     def on_train_end(self, loop: Loop) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.opened:
+            self.close()
+            self.opened = False
+
+
+def _import_error(flag: str, err: ImportError) -> TrainingError:
+    return TrainingError(
+        f"logging.{flag} is true but it cannot be imported ({err}); install the project's "
+        f"dependencies (make setup) or set training.{flag}: false in the family config",
+        EXIT_BAD_INPUT,
+    )
+
+
+class TensorBoard(Tracker):
+    """Event files under results/<family>/tensorboard/<run>; a resumed run purges past its
+    checkpoint."""
+
+    writer = None
+
+    def open(self, loop: Loop) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams
+        except ImportError as err:
+            raise _import_error("tensorboard", err) from err
+        spec = loop.spec
+        folder = tensorboard_dir(spec)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(folder), purge_step=loop.first_step)
+        if loop.first_step == 1:  # once per run: the spec, as text and as hparams
+            self.writer.add_text("spec", f"```\n{spec.to_json()}```", 0)
+            # into this writer's file (add_hparams would open a second file in the folder,
+            # and TensorBoard follows only the newest file of a folder as it grows)
+            for summary in hparams(_hparams(spec), {"train/loss": math.nan}):
+                self.writer.file_writer.add_summary(summary, 0)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandB(Tracker):
+    """A Weights & Biases run, offline (no network while training), under results/<family>/wandb:
+    one per training run, grouped by family, its spec as config. A resumed job continues the
+    same W&B run (its id is the run's name and trajectory). Upload later with ``wandb sync``."""
+
+    run = None
+
+    def open(self, loop: Loop) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise _import_error("wandb", err) from err
+        spec = loop.spec
+        folder = wandb_dir(spec)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project="collapse",
+            group=spec.family,
+            job_type=str(spec.role),
+            name=spec.run,
+            id=wandb_id(spec),
+            resume="allow",
+            dir=str(folder),
+            mode="offline",
+            config=spec.model_dump(mode="json"),
+            settings=wandb.Settings(console="off", save_code=False, disable_git=True),
+        )
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.run.log({tag: text}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def wandb_dir(spec):
+    """W&B's ``dir`` of a run (it writes its offline runs under ``wandb/`` there)."""
+    return FamilyLayout.of_run_dir(spec.run_dir).wandb_dir
+
+
+def wandb_id(spec) -> str:
+    """The W&B run id: the run's name and a hash of its trajectory (collapse.runspec), so that
+    a resumed job continues its W&B run and a changed one starts another."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", spec.run)
+    return f"{name}-{hashlib.sha256(spec.trajectory_key().encode()).hexdigest()[:8]}"
 
 
 def tracking_for(spec, monitor: OnlineMonitor | None) -> list[Callback]:
     """The tracking callbacks the spec asks for (its ``logging`` block)."""
-    return [TensorBoard(monitor)] if spec.logging.tensorboard else []
+    trackers: list[Callback] = []
+    if spec.logging.tensorboard:
+        trackers.append(TensorBoard(monitor))
+    if spec.logging.wandb:
+        trackers.append(WandB(monitor))
+    return trackers
