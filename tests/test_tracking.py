@@ -14,14 +14,14 @@ from test_checkpoint import _start_and_interrupt
 from test_train_support import run_training, tiny_spec
 
 from collapse.runspec import Monitor
-from collapse.tracking import tensorboard_dir
+from collapse.tracking import t_hat_step, tensorboard_dir
 
 
-def _events(spec):
+def _events(spec, subfolder: str = ""):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    folder = tensorboard_dir(spec)
-    assert folder == Path(spec.run_dir).parent.parent / "tensorboard" / spec.run
+    assert tensorboard_dir(spec) == Path(spec.run_dir).parent.parent / "tensorboard" / spec.run
+    folder = tensorboard_dir(spec) / subfolder
     accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     return accumulator
@@ -90,6 +90,14 @@ def test_tensorboard_logs_the_curve_and_the_monitor_checks(tmp_path: Path):
     expected = [c["residual"] + float(reference.at(c["t_hat"])) for c in aligned]
     assert ell_steps == residual_steps
     np.testing.assert_allclose(ell, expected, rtol=1e-6)
+    # against t_hat (the run's t_hat folder): the loss every step, ell at the checks
+    by_t_hat = _events(spec, "t_hat")
+    t_hat_steps, loss = _scalars(by_t_hat, "by_t_hat/loss")
+    assert t_hat_steps == [t_hat_step(t) for t in curve["t_hat"]]
+    np.testing.assert_array_equal(loss, curve["loss"].to_numpy(np.float32))
+    t_hat_steps, ell_by_t_hat = _scalars(by_t_hat, "by_t_hat/ell")
+    assert t_hat_steps == [t_hat_step(c["t_hat"]) for c in aligned]
+    np.testing.assert_array_equal(ell_by_t_hat, ell)
     messages = events.Tensors("monitor/message/text_summary")
     assert [m.step for m in messages] == [c["step"] for c in aligned if c["status"] == "alarm"]
 
@@ -111,6 +119,9 @@ def test_a_killed_and_resumed_run_logs_each_step_once(tmp_path: Path):
         logged_steps, values = _scalars(events, tag)
         assert logged_steps == list(range(1, 13)), tag
         np.testing.assert_array_equal(values, curve[column].to_numpy(np.float32), err_msg=tag)
+    t_hat_steps, loss = _scalars(_events(spec, "t_hat"), "by_t_hat/loss")
+    assert t_hat_steps == [t_hat_step(t) for t in curve["t_hat"]]
+    np.testing.assert_array_equal(loss, curve["loss"].to_numpy(np.float32))
 
 
 def test_tensorboard_off_writes_no_event_files(tmp_path: Path):

@@ -15,6 +15,12 @@ Every run of a family logs under the same tags, so each chart holds every size o
 
 The x axis is the optimizer step; ``train/t_hat`` maps it to the normalized time. ``monitor/ell``
 is the normalized loss where the check found its largest residual (``ell_ref + residual``).
+Against t_hat, for the sizes of a family on one chart (the run's ``t_hat`` folder, whose step is
+``T_HAT_STEPS * t_hat``):
+
+    by_t_hat/loss                                                            every step
+    by_t_hat/ell                                                             at the monitor's checks
+
 A resumed run appends to the same folder: the writer is opened with ``purge_step`` set to the
 first step it trains, so TensorBoard drops what an earlier job logged past the checkpoint.
 Events are flushed every step, so a job killed without warning loses none of its logged steps.
@@ -117,13 +123,15 @@ class Tracker(Callback):
         values = {"monitor/threshold": verdict.threshold, "monitor/alarm": float(verdict.alarm)}
         if verdict.residual is not None:
             values["monitor/residual"] = verdict.residual
-            values["monitor/ell"] = verdict.residual + float(
-                self.monitor.reference.at(verdict.t_hat)
-            )
+            values["monitor/ell"] = self.ell(verdict)
         self.scalars(values, step)
         if verdict.alarm:
             self.text("monitor/message", verdict.message, step)
         self.flush()
+
+    def ell(self, verdict: MonitorVerdict) -> float:
+        """The normalized loss where the check found its residual: ell_ref + r at its t_hat."""
+        return verdict.residual + float(self.monitor.reference.at(verdict.t_hat))
 
     def on_train_end(self, loop: Loop) -> None:
         if self.opened:
@@ -141,9 +149,10 @@ def _import_error(flag: str, err: ImportError) -> TrainingError:
 
 class TensorBoard(Tracker):
     """Event files under results/<family>/tensorboard/<run>; a resumed run purges past its
-    checkpoint."""
+    checkpoint. A second folder, <run>/t_hat, holds the loss and ell against t_hat (its step is
+    ``T_HAT_STEPS * t_hat``), so that the sizes of a family line up on one chart."""
 
-    writer = None
+    writer = by_t_hat = None
 
     def open(self, loop: Loop) -> None:
         try:
@@ -155,12 +164,28 @@ class TensorBoard(Tracker):
         folder = tensorboard_dir(spec)
         folder.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(folder), purge_step=loop.first_step)
+        self.first_t_hat = loop.first_step / loop.total
+        self.by_t_hat = SummaryWriter(
+            str(folder / "t_hat"), purge_step=t_hat_step(self.first_t_hat)
+        )
         if loop.first_step == 1:  # once per run: the spec, as text and as hparams
             self.writer.add_text("spec", f"```\n{spec.to_json()}```", 0)
             # into this writer's file (add_hparams would open a second file in the folder,
             # and TensorBoard follows only the newest file of a folder as it grows)
             for summary in hparams(_hparams(spec), {"train/loss": math.nan}):
                 self.writer.file_writer.add_summary(summary, 0)
+
+    def on_step_end(self, loop: Loop) -> None:
+        if self.opened:
+            row = loop.state.curve[-1]
+            self.by_t_hat.add_scalar("by_t_hat/loss", row["loss"], t_hat_step(row["t_hat"]))
+        super().on_step_end(loop)
+
+    def log_verdict(self, verdict: MonitorVerdict) -> None:
+        # a resumed job's first check may look back past its first step: logged before
+        if self.opened and verdict.residual is not None and verdict.t_hat >= self.first_t_hat:
+            self.by_t_hat.add_scalar("by_t_hat/ell", self.ell(verdict), t_hat_step(verdict.t_hat))
+        super().log_verdict(verdict)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         for tag, value in values.items():
@@ -171,9 +196,18 @@ class TensorBoard(Tracker):
 
     def flush(self) -> None:
         self.writer.flush()
+        self.by_t_hat.flush()
 
     def close(self) -> None:
         self.writer.close()
+        self.by_t_hat.close()
+
+
+T_HAT_STEPS = 10**6  # the step of t_hat on the t_hat axis (a resolution of 1e-6)
+
+
+def t_hat_step(t_hat: float) -> int:
+    return round(T_HAT_STEPS * t_hat)
 
 
 class WandB(Tracker):
