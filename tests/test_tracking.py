@@ -203,3 +203,12 @@ def test_wandb_offline_logs_one_run_per_training_run_with_the_spec(tmp_path: Pat
     assert sorted(history) == curve["step"].tolist()
     assert [history[s]["train/loss"] for s in sorted(history)] == curve["loss"].tolist()
     assert [history[s]["train/lr"] for s in sorted(history)] == curve["lr"].tolist()
+
+
+def test_a_run_finds_its_family_folder_from_its_run_dir():
+    from collapse.layout import FamilyLayout
+
+    layout = FamilyLayout.of("fam", "/results")
+    for run in ("d96_tpp10_s0", "sweep/tau0.1"):
+        assert FamilyLayout.of_run(layout.run_dir(run), run) == layout
+        assert layout.tensorboard(run) == Path("/results/fam/tensorboard") / run

@@ -102,9 +102,9 @@ class FamilyLayout:
         return self.root / "wandb"
 
     @classmethod
-    def of_run_dir(cls, run_dir: str | Path) -> FamilyLayout:
-        """The layout a run's ``run_dir`` (results/<family>/runs/<run>) belongs to."""
-        return cls(Path(run_dir).parent.parent)
+    def of_run(cls, run_dir: str | Path, run: str) -> FamilyLayout:
+        """The layout that a run's ``run_dir`` (results/<family>/runs/<run>) belongs to."""
+        return cls(Path(run_dir).parents[len(Path(run).parts)])
 
     # analysis
     @property

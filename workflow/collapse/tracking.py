@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 def tensorboard_dir(spec):
     """Where a run's event files go: beside its family's runs (collapse.layout)."""
-    return FamilyLayout.of_run_dir(spec.run_dir).tensorboard(spec.run)
+    return FamilyLayout.of_run(spec.run_dir, spec.run).tensorboard(spec.run)
 
 
 def _hparams(spec) -> dict:
@@ -250,7 +250,7 @@ class WandB(Tracker):
 
 def wandb_dir(spec):
     """W&B's ``dir`` of a run (it writes its offline runs under ``wandb/`` there)."""
-    return FamilyLayout.of_run_dir(spec.run_dir).wandb_dir
+    return FamilyLayout.of_run(spec.run_dir, spec.run).wandb_dir
 
 
 def wandb_id(spec) -> str:
