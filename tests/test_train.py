@@ -228,8 +228,15 @@ def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
     def names(spec) -> list[str]:
         return [type(c).__name__ for c in callbacks_for(spec, preemption)]
 
-    production = ["NonFiniteLoss", "Progress", "Evaluation", "Preemption", "Checkpointing"]
+    production = [
+        "NonFiniteLoss", "Progress", "Evaluation", "TensorBoard", "Preemption", "Checkpointing",
+    ]  # fmt: skip
     assert names(tiny_spec(tmp_path)) == production
+    quiet = tiny_spec(tmp_path)
+    quiet = quiet.model_copy(
+        update={"logging": quiet.logging.model_copy(update={"tensorboard": False})}
+    )
+    assert names(quiet) == [name for name in production if name != "TensorBoard"]
     fault = FaultInjection(kind="lr_spike", at_fraction=0.5, magnitude=2.0)
     faulty = tiny_spec(tmp_path, fault=fault).model_copy(update={"role": "fault"})
     assert names(faulty) == ["InjectFault", "NonFiniteOutcome", *production[1:]]
@@ -241,4 +248,4 @@ def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
     reference.write_text("t_hat,ell,lower,upper\n0.0,1.0,0.99,1.01\n1.0,0.5,0.49,0.51\n")
     monitor = Monitor(enabled=True, reference_csv=str(reference), every_steps=10)
     got = names(tiny_spec(tmp_path, monitor=monitor, run_dir=str(tmp_path / "run")))
-    assert got == ["ControlsAudit", *production[:3], "CollapseMonitor", *production[3:]]
+    assert got == ["ControlsAudit", *production[:4], "CollapseMonitor", *production[4:]]

@@ -281,6 +281,8 @@ class TrainingSpec(_Spec):
     eval_batches: PositiveInt = 4
     checkpoint_every_fraction: Annotated[float, Field(gt=0, le=1)] = 0.1
     keep_checkpoints: PositiveInt = 2
+    tensorboard: bool = True  # event files under results/<family>/tensorboard/<run>
+    wandb: bool = False  # an offline W&B run per training run, under results/<family>/wandb
 
 
 class GateSpec(_Spec):

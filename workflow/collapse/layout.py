@@ -87,6 +87,25 @@ class FamilyLayout:
     def checkpoints(self, run: str) -> Path:
         return self.root / "checkpoints" / run
 
+    # tracking (not declared outputs: a resumed run appends to its event files)
+    @property
+    def tensorboard_dir(self) -> Path:
+        """``tensorboard --logdir`` of the whole family: one subfolder per run."""
+        return self.root / "tensorboard"
+
+    def tensorboard(self, run: str) -> Path:
+        return self.tensorboard_dir / run
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's offline runs of the family (``wandb sync`` uploads them)."""
+        return self.root / "wandb"
+
+    @classmethod
+    def of_run(cls, run_dir: str | Path, run: str) -> FamilyLayout:
+        """The layout that a run's ``run_dir`` (results/<family>/runs/<run>) belongs to."""
+        return cls(Path(run_dir).parents[len(Path(run).parts)])
+
     # analysis
     @property
     def reference_dir(self) -> Path:

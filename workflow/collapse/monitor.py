@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,6 +95,8 @@ class OnlineMonitor:
         self._checked = 0  # history index from which the next check looks
         self._aligned: float | None = None
         self.first_crossing_t_hat: float | None = None
+        # called with each verdict once it is logged (live tracking: collapse.tracking)
+        self.listeners: list[Callable[[MonitorVerdict], None]] = []
 
     # called every training step: keep it cheap
     def observe(self, step: int, t_hat: float, loss: float) -> None:
@@ -275,3 +277,5 @@ class OnlineMonitor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        for listener in self.listeners:
+            listener(verdict)

@@ -343,6 +343,8 @@ class RunPlan:
             eval_batches=t.eval_batches,
             checkpoint_every_steps=self.every(t.checkpoint_every_fraction),
             keep_checkpoints=t.keep_checkpoints,
+            tensorboard=t.tensorboard,
+            wandb=t.wandb,
         )
 
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from collapse.roles import Role
 
@@ -115,6 +115,19 @@ class Logging(_Strict):
     eval_batches: int
     checkpoint_every_steps: int
     keep_checkpoints: int = 2
+    tensorboard: bool = True  # event files under results/<family>/tensorboard/<run>
+    wandb: bool = False  # an offline W&B run under results/<family>/wandb
+
+    @model_serializer(mode="wrap")
+    def _omit_default_tracking(self, handler):
+        """A spec that leaves tracking at its defaults serializes as before these were fields,
+        so that its hash (the workflow's rerun trigger) stays that of a spec written before."""
+        out = handler(self)
+        if self.tensorboard:
+            out.pop("tensorboard", None)
+        if not self.wandb:
+            out.pop("wandb", None)
+        return out
 
 
 class Monitor(_Strict):

@@ -18,9 +18,9 @@ resume); 3 the online collapse monitor raised an alarm (checkpoint saved); 4 the
 NaN/inf (the last good checkpoint is kept); 2 bad spec or data.
 
 ``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
-checkpoints, the job log, the collapse monitor and its controls audit, preemption and an injected
-fault are callbacks (collapse.callbacks, collapse.faults), attached by ``callbacks_for`` where the
-spec asks for them.
+checkpoints, the job log, the collapse monitor and its controls audit, TensorBoard, preemption and
+an injected fault are callbacks (collapse.callbacks, collapse.tracking, collapse.faults), attached
+by ``callbacks_for`` where the spec asks for them.
 
 The batch of step t (1-based) is the global samples [(t-1)*B, t*B) of Megatron's GPTDataset
 (shuffled by the spec's seed, as many epochs as needed); data-parallel rank r takes its slice,
@@ -73,6 +73,7 @@ from collapse.callbacks import (  # the job's exit codes: its callers import the
 from collapse.faults import Faults, InjectFault, NonFiniteOutcome, injects, nonfinite_is_outcome
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
 from collapse.runspec import RunSpec, spec_hash
+from collapse.tracking import tracking_for
 
 CURVE_FILE, VALID_FILE, META_FILE = "curve.parquet", "valid.parquet", "meta.json"
 
@@ -726,7 +727,7 @@ def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
     if monitor is not None:
         callbacks.append(ControlsAudit(monitor))
     callbacks.append(NonFiniteOutcome() if nonfinite_is_outcome(spec) else NonFiniteLoss())
-    callbacks += [Progress(), Evaluation()]
+    callbacks += [Progress(), Evaluation(), *tracking_for(spec, monitor)]
     if spec.monitor.enabled:
         callbacks.append(CollapseMonitor(monitor))
     return [*callbacks, preemption, Checkpointing()]
