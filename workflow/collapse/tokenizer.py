@@ -93,6 +93,13 @@ def fast_encoder(tokenizer: Tokenizer):
     config = json.loads(tokenizer.to_str())
     if config.get("normalizer") or config["model"].get("type") != "BPE":
         return None
+    pre = config.get("pre_tokenizer") or {}
+    if (
+        pre.get("type") != "ByteLevel"
+        or not pre.get("use_regex", True)
+        or pre.get("add_prefix_space")
+    ):
+        return None  # another split than GPT-2's: tiktoken's pattern would not match it
     to_byte = {char: byte for byte, char in _byte_to_unicode().items()}
     specials = {t["content"] for t in config.get("added_tokens", [])}
     try:
@@ -118,7 +125,7 @@ def batch_encoder(
     tokenizer.encode_special_tokens = True
 
     def slow(batch: list[str]) -> list[list[int]]:
-        return [e.ids for e in tokenizer.encode_batch(batch)]
+        return [e.ids for e in tokenizer.encode_batch(batch, add_special_tokens=False)]
 
     encoder = fast_encoder(tokenizer)
     if encoder is not None and encoder.encode_ordinary_batch(sample) == slow(sample):
