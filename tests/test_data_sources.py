@@ -433,3 +433,19 @@ def test_the_default_kind_is_the_package_corpus():
     assert stage_outputs(cfg.family.data, Path("d"))["train_inputs"] == [
         f"d/{n}.{e}" for n in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME) for e in ("bin", "idx")
     ]
+
+
+@pytest.mark.parametrize("family", ["celerity", "ladder"])
+def test_shipped_blend_placeholder_plans_and_stops_the_data_job(family, tmp_path, capsys):
+    from collapse import cli
+    from collapse.plan import plan_family
+
+    cfg = load_config([f"family={family}", "cluster=slurm_h100"])
+    assert cfg.family.data.kind == "megatron"
+    [warning] = [w for w in plan_family(cfg).warnings() if "corpus" in w]
+    assert "family.data.train[0].prefix is the placeholder" in warning
+    config = tmp_path / "data.json"
+    config.write_text(cfg.family.data.model_dump_json())
+    assert cli.main(["data", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
+    assert "is the placeholder" in capsys.readouterr().err
+    assert not (tmp_path / "out" / META_NAME).exists()

@@ -111,6 +111,22 @@ class BlendEntry(BaseModel):
     weight: float = 1.0
 
 
+# The prefix a shipped family config holds until its user sets the datasets.
+PLACEHOLDER_PREFIX = "/path/to/your/"
+
+
+def check_placeholders(cfg: MegatronDataConfig) -> None:
+    """Raise ValueError naming the field while a prefix is still the shipped placeholder."""
+    for split in ("train", "valid"):
+        for index, entry in enumerate(getattr(cfg, split)):
+            if entry.prefix.startswith(PLACEHOLDER_PREFIX):
+                raise ValueError(
+                    f"family.data.{split}[{index}].prefix is the placeholder {entry.prefix!r}. "
+                    "Fix: set it to your Megatron dataset's prefix (the path without .bin/.idx), "
+                    'e.g. overrides="family.data.train.0.prefix=/data/fineweb_text_document"'
+                )
+
+
 def _check_blend(blend: list[BlendEntry], field: str) -> None:
     for index, entry in enumerate(blend):
         if not entry.weight >= 0.0:  # also NaN
@@ -455,6 +471,7 @@ def build_blend(cfg: MegatronDataConfig, out_dir: Path) -> BlendSummary:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / META_NAME).unlink(missing_ok=True)
+    check_placeholders(cfg)
     if cfg.tokenizer is not None:
         check_tokenizer_file(cfg.tokenizer, cfg.vocab_size, cfg.eod_token)
     blend: dict[str, list[BlendPart]] = {}
@@ -611,6 +628,7 @@ def estimate_corpus_tokens(cfg, out_dir: Path | None = None) -> int:
     if isinstance(cfg, MegatronDataConfig):
         from collapse.indexed import read_header
 
+        check_placeholders(cfg)
         parts = [(e.prefix, e.weight, read_header(e.prefix).tokens) for e in cfg.train]
         return blend_tokens(parts)
     if out_dir is not None:
@@ -788,4 +806,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as collapse.data, not __main__: collapse.shards imports this module by name, and one
+    # set of config classes must serve both.
+    from collapse.data import main as _main
+
+    sys.exit(_main())
