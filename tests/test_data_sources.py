@@ -449,3 +449,29 @@ def test_shipped_blend_placeholder_plans_and_stops_the_data_job(family, tmp_path
     assert cli.main(["data", "--config", str(config), "--out", str(tmp_path / "out")]) == 2
     assert "is the placeholder" in capsys.readouterr().err
     assert not (tmp_path / "out" / META_NAME).exists()
+
+
+def test_dedup_keeps_the_first_copy_across_shards(raw, built, tmp_path):
+    root, docs = raw
+    cfg, out, meta, _ = built
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("a.jsonl", "b.jsonl.gz"):  # the same documents twice, and a.jsonl's in b too
+        (folder / name).write_bytes((root / "in" / name).read_bytes())
+    (folder / "z.jsonl").write_bytes((root / "in" / "a.jsonl").read_bytes())
+    data = tmp_path / "out"
+    data.mkdir()
+    (data / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+    both = cfg.model_copy(update={"files": [f"{folder}/*"]})
+    kept = shards.run_step(both.model_copy(update={"dedup": True}), data, "all")
+    unique = len(set(docs[:360]))
+    assert kept.train.documents + kept.valid.documents == unique
+    assert kept.duplicates_dropped == 660 - unique
+    # Dropping z.jsonl's later copies gives the very tokens of a build without it.
+    (folder / "z.jsonl").unlink()
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+    shards.run_step(both, tmp_path / "plain", "all")
+    for name in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME):
+        for ext in (".bin", ".idx"):
+            assert _sha(data / f"{name}{ext}") == _sha(tmp_path / "plain" / f"{name}{ext}")

@@ -176,8 +176,9 @@ class ShardsDataConfig(BaseModel):
     the text under ``field``), Parquet (column ``field``) or text files (one document each).
     ``tokenizer``: a Hugging Face tokenizer.json whose vocabulary fits the model's (its size, or
     that size padded up to a multiple of 128); unset, the stage trains the family's byte-level
-    BPE on the first ``tokenizer_sample_bytes`` of the documents. Each document goes to the
-    valid split when a keyed hash of its bytes falls below ``valid_fraction`` (see
+    BPE on the first ``tokenizer_sample_bytes`` of the documents; ``dedup`` keeps the first of
+    documents with equal bytes (24 bytes of memory a document at the merge). A document goes to
+    the valid split when a keyed hash of its bytes falls below ``valid_fraction`` (see
     ``collapse.shards.is_valid_document``): the split does not depend on file order or sharding.
     """
 
@@ -195,6 +196,7 @@ class ShardsDataConfig(BaseModel):
     shard_bytes: int = Field(256_000_000, gt=0)  # input bytes per tokenizing job
     tokenizer_sample_bytes: int = Field(100_000_000, gt=0)
     skip_empty: bool = False  # empty documents are an error unless set
+    dedup: bool = False  # drop exact duplicates (same bytes) at the merge, by digest only
 
     _vocab_in_range = field_validator("vocab_size")(_check_vocab_size)
 

@@ -249,14 +249,27 @@ def read_documents(shard: list[Piece], cfg: ShardsDataConfig) -> Iterator[tuple[
             raise
 
 
+# Per document of a shard split, in item order: its digest and UTF-8 size (``NNNNN.<split>.docs``).
+DOC_RECORD = np.dtype([("digest", "V16"), ("bytes", "<u8")])
+
+
+def document_digest(data: bytes, seed: int) -> bytes:
+    """BLAKE2b-128 of the document's UTF-8 bytes, keyed by the seed: its split and dedup key."""
+    return hashlib.blake2b(data, digest_size=16, key=seed.to_bytes(8, "little")).digest()
+
+
+def is_valid_digest(digest: bytes, fraction: float) -> bool:
+    return int.from_bytes(digest[:8], "little") < fraction * 2**64
+
+
 def is_valid_document(data: bytes, seed: int, fraction: float) -> bool:
-    """Held out when BLAKE2b(document bytes, key = seed) as a number in [0, 1) is < fraction.
+    """Held out when the document's digest (``document_digest``), its first 8 bytes read as a
+    little-endian number over 2^64, is below ``fraction``.
 
     Deterministic per document: the split does not depend on the order of files or shards,
     and two equal documents always land in the same split.
     """
-    digest = hashlib.blake2b(data, digest_size=8, key=seed.to_bytes(8, "little")).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
+    return is_valid_digest(document_digest(data, seed), fraction)
 
 
 # ------------------------------------------------------------------------------ steps
@@ -266,7 +279,7 @@ def shard_name(index: int) -> str:
 
 def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
     base = Path(out_dir) / SHARDS_DIR / shard_name(index)
-    files = {f"{s}.{e}": Path(f"{base}.{s}.{e}") for s in SPLITS for e in ("bin", "idx")}
+    files = {f"{s}.{e}": Path(f"{base}.{s}.{e}") for s in SPLITS for e in ("bin", "idx", "docs")}
     return files | {"json": Path(f"{base}.json")}
 
 
@@ -343,7 +356,7 @@ def _builder(path: Path, dtype):
 
 
 def _batches(cfg: ShardsDataConfig, shard: list[Piece], counts: dict) -> Iterator[list]:
-    """Batches of (split, text, bytes) of about BATCH_BYTES, every document checked."""
+    """Batches of (split, text, bytes, digest) of about BATCH_BYTES, every document checked."""
     batch, size = [], 0
     for text, where in read_documents(shard, cfg):
         counts["read"] += 1
@@ -358,8 +371,9 @@ def _batches(cfg: ShardsDataConfig, shard: list[Piece], counts: dict) -> Iterato
             data = text.encode("utf-8")
         except UnicodeEncodeError as err:  # a lone surrogate from a JSON \\ud800 escape
             raise ShardError(f"{where}: text that is not valid Unicode ({err.reason})") from None
-        split = "valid" if is_valid_document(data, cfg.seed, cfg.valid_fraction) else "train"
-        batch.append((split, text, len(data)))
+        digest = document_digest(data, cfg.seed)
+        split = "valid" if is_valid_digest(digest, cfg.valid_fraction) else "train"
+        batch.append((split, text, len(data), digest))
         size += len(data)
         if size >= BATCH_BYTES:
             yield batch
@@ -388,18 +402,22 @@ def tokenize_shard(cfg: ShardsDataConfig, out_dir: Path, index: int) -> ShardSum
     ntokens = dict.fromkeys(SPLITS, 0)
     encoder, encode_s, last_report = "", 0.0, start
     builders = {}
+    records = {split: bytearray() for split in SPLITS}  # DOC_RECORD rows, 24 bytes a document
     try:
         for batch in _batches(cfg, shard, counts):
             if not builders:
-                encoder, encode, eod, dtype = _encoder(cfg, out_dir, [t for _, t, _ in batch[:64]])
+                sample = [item[1] for item in batch[:64]]
+                encoder, encode, eod, dtype = _encoder(cfg, out_dir, sample)
                 builders = {s: _builder(tmp[f"{s}.bin"], dtype) for s in SPLITS}
             tick = time.perf_counter()
-            for (split, _, size), ids in zip(batch, encode([t for _, t, _ in batch]), strict=True):
+            encoded = encode([item[1] for item in batch])
+            for (split, _, size, digest), ids in zip(batch, encoded, strict=True):
                 array = np.empty(len(ids) + 1, dtype=dtype)
                 array[:-1] = ids
                 array[-1] = eod
                 builders[split].add_item(torch.from_numpy(array))
                 builders[split].end_document()
+                records[split] += digest + size.to_bytes(8, "little")
                 nbytes[split] += size
                 ndocs[split] += 1
                 ntokens[split] += len(array)
@@ -417,6 +435,7 @@ def tokenize_shard(cfg: ShardsDataConfig, out_dir: Path, index: int) -> ShardSum
             builders = {s: _builder(tmp[f"{s}.bin"], token_dtype(cfg.vocab_size)) for s in SPLITS}
         for split in SPLITS:
             builders[split].finalize(str(tmp[f"{split}.idx"]))
+            tmp[f"{split}.docs"].write_bytes(bytes(records[split]))
         summary = ShardSummary(
             shard=shard_name(index),
             config_fingerprint=cfg.fingerprint(),
@@ -459,10 +478,40 @@ class ShardsSummary(BaseModel):
     shards: int
     documents_read: int
     empty_skipped: int
+    duplicates_dropped: int  # with dedup: later copies of a document (by digest)
     versions: dict[str, str]
     build_s: float  # of the merge; the shards' own times are in shards/*.json
     encoder: str
     encode_tokens_per_s: float
+
+
+def _first_occurrences(out_dir: Path, count: int, split: str) -> list[np.ndarray]:
+    """Per shard, a mask of the documents whose digest no earlier document of the split has.
+
+    Holds 24 bytes a document of the split (the digests and sizes), not the text."""
+    records = [
+        np.fromfile(shard_files(out_dir, i)[f"{split}.docs"], dtype=DOC_RECORD)
+        for i in range(count)
+    ]
+    digests = np.concatenate([r["digest"] for r in records]) if records else np.array([])
+    keep = np.zeros(len(digests), dtype=bool)
+    keep[np.unique(digests, return_index=True)[1]] = True
+    bounds = np.cumsum([0, *(len(r) for r in records)])
+    return [keep[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+
+def _add_kept(builder, prefix: str, keep: np.ndarray) -> int:
+    """Copy the kept documents of one shard split into ``builder``; returns their text bytes."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    sizes = np.fromfile(f"{prefix}.docs", dtype=DOC_RECORD)["bytes"]
+    dataset = IndexedDataset(prefix)
+    for item in np.flatnonzero(keep):
+        builder.add_item(torch.from_numpy(np.array(dataset[int(item)])))
+        builder.end_document()
+    del dataset
+    return int(sizes[keep].sum())
 
 
 def merge_shards(cfg: ShardsDataConfig, out_dir: Path) -> ShardsSummary:
@@ -496,13 +545,21 @@ def merge_shards(cfg: ShardsDataConfig, out_dir: Path) -> ShardsSummary:
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        splits = {}
+        splits, dropped = {}, 0
         for split, name in (("train", TRAIN_PREFIX_NAME), ("valid", VALID_PREFIX_NAME)):
             builder = _builder(staging / f"{name}.bin", dtype)
+            keep = _first_occurrences(out_dir, len(summaries), split) if cfg.dedup else None
+            split_bytes = 0
             for index, summary in enumerate(summaries):
-                if summary.documents[split]:
-                    base = shard_files(out_dir, index)[f"{split}.bin"]
-                    builder.add_index(str(base)[: -len(".bin")])
+                if not summary.documents[split]:
+                    continue
+                base = str(shard_files(out_dir, index)[f"{split}.bin"])[: -len(".bin")]
+                if keep is None or keep[index].all():
+                    builder.add_index(base)
+                    split_bytes += summary.bytes[split]
+                else:
+                    split_bytes += _add_kept(builder, base, keep[index])
+                    dropped += int((~keep[index]).sum())
             builder.finalize(str(staging / f"{name}.idx"))
             documents = sum(s.documents[split] for s in summaries)
             if documents == 0:
@@ -515,7 +572,7 @@ def merge_shards(cfg: ShardsDataConfig, out_dir: Path) -> ShardsSummary:
             splits[split] = SplitSummary(
                 prefix=name,
                 documents=info.documents,
-                bytes=sum(s.bytes[split] for s in summaries),
+                bytes=split_bytes,
                 tokens=info.tokens,
                 bin_bytes=info.bin_bytes,
                 idx_bytes=info.idx_bytes,
@@ -535,6 +592,7 @@ def merge_shards(cfg: ShardsDataConfig, out_dir: Path) -> ShardsSummary:
             shards=len(summaries),
             documents_read=sum(s.documents_read for s in summaries),
             empty_skipped=sum(s.empty_skipped for s in summaries),
+            duplicates_dropped=dropped,
             versions=_versions(),
             build_s=round(time.perf_counter() - start, 3),
             encoder=summaries[0].encoder if summaries else "",

@@ -40,6 +40,8 @@ if DATA_KIND == "shards":
                 ".train.idx",
                 ".valid.bin",
                 ".valid.idx",
+                ".train.docs",
+                ".valid.docs",
                 ".json",
             ),
         log:
