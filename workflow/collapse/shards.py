@@ -330,7 +330,7 @@ def _encoder(cfg: ShardsDataConfig, out_dir: Path, sample: list[str]):
         raise DatasetError(f"{path}: missing. Fix: run the tokenizer step (data_tokenizer) first")
     trained = cfg.tokenizer is None
     tokenizer, eod = check_tokenizer_file(path, cfg.vocab_size, cfg.eod_token, trained)
-    name, encode = batch_encoder(tokenizer, sample)
+    name, encode = batch_encoder(tokenizer, sample, one_thread=True)  # a job per core
     return name, encode, eod, token_dtype(cfg.vocab_size)
 
 
