@@ -475,3 +475,30 @@ def test_dedup_keeps_the_first_copy_across_shards(raw, built, tmp_path):
     for name in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME):
         for ext in (".bin", ".idx"):
             assert _sha(data / f"{name}{ext}") == _sha(tmp_path / "plain" / f"{name}{ext}")
+
+
+def test_compact_index_writes_megatrons_exact_bytes(tmp_path):
+    """The shard and merge steps keep the index in typed arrays; the files must not change."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 500, rng.integers(1, 50)).astype(np.uint16) for _ in range(300)]
+    ours = shards._builder(tmp_path / "a.bin", np.uint16)
+    theirs = IndexedDatasetBuilder(str(tmp_path / "b.bin"), dtype=np.uint16)
+    for doc in docs:
+        for builder in (ours, theirs):
+            builder.add_item(torch.from_numpy(doc))
+            builder.end_document()
+    shards._finalize(ours, tmp_path / "a.idx")
+    theirs.finalize(str(tmp_path / "b.idx"))
+    merged = shards._builder(tmp_path / "c.bin", np.uint16)
+    reference = IndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.uint16)
+    for builder in (merged, reference):
+        builder.add_index(str(tmp_path / "a"))
+        builder.add_index(str(tmp_path / "b"))
+    shards._finalize(merged, tmp_path / "c.idx")
+    reference.finalize(str(tmp_path / "d.idx"))
+    for ext in (".bin", ".idx"):
+        assert _sha(tmp_path / f"a{ext}") == _sha(tmp_path / f"b{ext}")
+        assert _sha(tmp_path / f"c{ext}") == _sha(tmp_path / f"d{ext}")
