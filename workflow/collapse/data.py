@@ -1,13 +1,22 @@
-"""The data stage: corpus -> byte-level BPE tokenizer -> Megatron indexed datasets (.bin/.idx).
+"""The data stage: a family's data source -> Megatron indexed datasets (.bin/.idx) + meta.json.
+
+Three kinds of source (``family.data.kind``, the ``DataSpec`` union):
+- ``corpus`` (``DataConfig``, the default): package prose -> byte-level BPE tokenizer -> datasets,
+  built here in memory;
+- ``megatron`` (``MegatronDataConfig``): a user's datasets, checked in place (``build_blend``);
+  meta.json holds the blend that ``training_blend`` gives the training job;
+- ``shards`` (``ShardsDataConfig``): raw files tokenized in parallel jobs (``collapse.shards``).
 
 Outputs in ``results/<family>/data/`` (names from ``collapse.layout``): ``tokenizer.json``,
 ``train_text_document.{bin,idx}``, ``valid_text_document.{bin,idx}`` (one document per item,
-EOD id 0 appended) and ``meta.json`` (counts per split, bytes per token, sources, versions).
+the EOD id appended) and ``meta.json`` (counts per split, bytes per token, sources, versions);
+a ``megatron`` source writes only ``meta.json`` (and a copy of its tokenizer, when given).
 Everything is built in a temporary folder and renamed into place, ``meta.json`` last, so a killed
-job never leaves a dataset that looks complete; ``verify_dataset`` checks one before training.
+job never leaves a dataset that looks complete; ``verify_training_data`` checks before training.
 
     collapse data --config data.yaml --out results/tiny/data     # or python -m collapse.data
     collapse data --config data.yaml --out results/tiny/data --estimate
+    collapse data --config shards.yaml --out DIR --step shard --shard 3   # one shard job
 """
 
 from __future__ import annotations
