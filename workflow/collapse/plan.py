@@ -162,8 +162,12 @@ def repeated_data_warnings(table: pd.DataFrame, data: DataConfig) -> list[str]:
         f"{size} ({row.epochs:.2f} epochs of {_si(row.tokens)} tokens)"
         for size, row in over.iterrows()
     )
-    fixes = "add a source to family.data.sources, lower family.tpp or drop those sizes"
-    if data.max_corpus_bytes is not None:
+    fixes = {
+        "megatron": "add datasets to family.data.train",
+        "shards": "add files to family.data.files",
+    }.get(getattr(data, "kind", "corpus"), "add a source to family.data.sources")
+    fixes += ", lower family.tpp or drop those sizes"
+    if getattr(data, "max_corpus_bytes", None) is not None:
         fixes = f"raise family.data.max_corpus_bytes ({_si(data.max_corpus_bytes)}B now), " + fixes
     return [
         f"the corpus is seen more than once by {sizes}: repeated tokens lower the late training "

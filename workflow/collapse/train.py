@@ -144,7 +144,7 @@ class _Tokenizer:
 
 def verify_datasets(spec: RunSpec) -> None:
     try:
-        from collapse.data import verify_dataset
+        from collapse.data import verify_training_data
     except ImportError:  # data stage not installed: fall back to a presence check
         for prefix in (spec.dataset_prefix, spec.valid_prefix):
             for suffix in (".bin", ".idx"):
@@ -154,11 +154,10 @@ def verify_datasets(spec: RunSpec) -> None:
                         EXIT_BAD_INPUT,
                     ) from None
         return
-    for prefix in (spec.dataset_prefix, spec.valid_prefix):
-        try:
-            verify_dataset(prefix)
-        except Exception as err:  # the data stage's own error names the file and the fix
-            raise TrainingError(str(err), EXIT_BAD_INPUT) from err
+    try:
+        verify_training_data(spec.dataset_prefix, spec.valid_prefix)
+    except Exception as err:  # the data stage's own error names the file and the fix
+        raise TrainingError(str(err), EXIT_BAD_INPUT) from err
 
 
 def build_datasets(spec: RunSpec):
@@ -168,12 +167,15 @@ def build_datasets(spec: RunSpec):
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    from collapse.data import training_blend  # a user's blend, or the two built prefixes
+
+    train_blend, valid_blend = training_blend(spec.dataset_prefix, spec.valid_prefix)
     batch = spec.optim.batch_seqs
     cache = Path(spec.checkpoint_dir) / "dataset_index"
     config = GPTDatasetConfig(
         random_seed=spec.optim.seed,
         sequence_length=spec.model.seq_len,
-        blend_per_split=[([spec.dataset_prefix], None), ([spec.valid_prefix], None), None],
+        blend_per_split=[train_blend, valid_blend, None],
         path_to_cache=str(cache),
         tokenizer=_Tokenizer(spec.model.vocab_size),
         reset_position_ids=False,
@@ -188,7 +190,8 @@ def build_datasets(spec: RunSpec):
 
 def train_tokens_in_dataset(dataset) -> int:
     """Tokens in the training split (the denominator of data_fraction, in epochs)."""
-    return int(dataset.dataset.sequence_lengths.sum())
+    parts = getattr(dataset, "datasets", None) or [dataset]  # a BlendedDataset's parts
+    return int(sum(part.dataset.sequence_lengths.sum() for part in parts))
 
 
 def micro_batches(dataset, first_sample: int, spec: RunSpec) -> list[dict]:

@@ -15,6 +15,8 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from collapse.config import CONFIG_DIR_ENV, ConfigError, hydra_overrides, load_config
+from collapse.data import stage_outputs
+from collapse.shards import shard_markers
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
 from collapse.roles import Role
@@ -64,6 +66,8 @@ CONTRAST_ROOT = str(LAYOUT.contrast_dir)
 CONTRAST_TABLE = contrast_members(PLAN.table)  # its own runs and the shared family runs
 CONTRAST_RUNS = list(CONTRAST_TABLE.run)
 PLAN_OUT = str(LAYOUT.plan_dir)
+# What the data rules write and a training job reads (by kind of data source).
+DATA_FILES = stage_outputs(FAMILY.data, LAYOUT.data_dir)
 # The plan reruns when the resolved config or a spec changes (not when an estimate does).
 PLAN_SHA = hashlib.sha256(
     (CFG.model_dump_json() + "".join(r.to_json() for r in PLAN.runs)).encode()
@@ -117,8 +121,7 @@ def train_inputs(wildcards):
     spec = spec_of(wildcards)
     inputs = {
         "spec": str(LAYOUT.spec(wildcards.run)),
-        "data": multiext(str(LAYOUT.train_prefix), ".bin", ".idx"),
-        "valid": multiext(str(LAYOUT.valid_prefix), ".bin", ".idx"),
+        "data": DATA_FILES["train_inputs"],
     }
     # The run's own copy of its reference (the monitor_reference job) must exist, not be older:
     # the monitor never changes the curve (unless stop_on_alarm), so neither a rebuilt nor a
