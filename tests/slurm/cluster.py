@@ -33,8 +33,11 @@ class Cluster:
     start_s: float  # wall time of start_cluster.sh
 
     def stop(self) -> None:
+        """Stop the daemons and remove the config the tests generated: with /etc/slurm/slurm.conf
+        left behind, every later `scontrol show config` (which the Snakemake Slurm plugin runs
+        when it loads, in any Snakemake call) waits 9 s for a controller that is gone."""
         if self.started_here:
-            subprocess.run([str(STOP)], check=True, capture_output=True, text=True)
+            subprocess.run([str(STOP), "--purge"], check=True, capture_output=True, text=True)
 
 
 def cluster_is_up() -> bool:
