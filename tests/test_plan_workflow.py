@@ -4,6 +4,7 @@ warnings print once per call. No training: seconds, not minutes."""
 
 import re
 
+import pytest
 from workflow_cli import run_snakemake
 
 from collapse.config import load_config
@@ -71,9 +72,15 @@ def test_a_config_edit_reruns_the_spec_jobs_of_the_changed_runs_only(tmp_path):
     assert set(changed) <= set(scheduled(out.stdout, "train"))
 
 
-def test_the_plans_warnings_print_once_per_call(tmp_path):
-    out = run_snakemake(
-        tmp_path, "-n", "--config", "family=celerity", "cluster=slurm_h100", timeout=120
-    )
+@pytest.mark.parametrize(
+    "config, warning",
+    [
+        (["family=experiments/tiny_tpp5"], "seen more than once"),  # d192: 1.09 epochs
+        (["family=celerity", "cluster=slurm_h100"], "could not be counted"),  # placeholder blend
+    ],
+    ids=["repeated-data", "uncounted-corpus"],
+)
+def test_the_plans_warnings_print_once_per_call(tmp_path, config, warning):
+    out = run_snakemake(tmp_path, "-n", "--config", *config, timeout=120)
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and "seen more than once" in warnings[0], out.stderr[-2000:]
+    assert len(warnings) == 1 and warning in warnings[0], out.stderr[-2000:]
