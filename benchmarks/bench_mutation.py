@@ -6,7 +6,7 @@
 For each module of workflow/collapse/ named in MODULE_TESTS, cosmic-ray's `init` writes every
 mutant of the module (its core operators: binary, comparison, unary and boolean operators,
 numbers +-1, True/False, break/continue, exception types, decorators, zero-iteration loops) into
-a session database; mutants inside type annotations are left out (every module has
+a cosmic-ray database; mutants inside type annotations are left out (every module has
 `from __future__ import annotations`, so they cannot change behaviour). With --sample N a seeded
 random sample of N mutants per module is run, else all of them (hours on 2 cores). Each mutant
 is applied to the file in place by cosmic-ray, the module's fast tests run against it
@@ -17,7 +17,7 @@ timeout is 3 x that baseline + 10 s.
 
 Printed: a table per module (mutants generated, run, killed, survived, timeout, score %, minutes)
 and every surviving mutant (file:line, the enclosing function, operator, the line before ->
-after). --session-dir keeps the session databases (`cr-report DIR/gates.sqlite` reads one).
+after). --db-dir keeps the mutant databases (`cr-report DIR/gates.sqlite` reads one).
 A benchmark: nothing is asserted.
 
 Mutating in place is guarded three ways: the script refuses to start when a module file has
@@ -147,7 +147,7 @@ def mutants(module: str, db_path: Path, sample: int, seed: int):
     return generated, items
 
 
-def run_module(module: str, args, session_dir: Path) -> dict:
+def run_module(module: str, args, db_dir: Path) -> dict:
     path = ROOT / PACKAGE / f"{module}.py"
     cmd = test_command(module)
     t0 = time.monotonic()
@@ -156,7 +156,7 @@ def run_module(module: str, args, session_dir: Path) -> dict:
     if outcome != "passed":
         sys.exit(f"{module}: the unmutated tests do not pass ({outcome}):\n{out}")
     timeout = args.timeout or 3 * baseline + 10
-    db_path = session_dir / f"{module}.sqlite"
+    db_path = db_dir / f"{module}.sqlite"
     generated, items = mutants(module, db_path, args.sample, args.seed)
     print(
         f"[{module}] {generated} mutants, running {len(items)}; baseline {baseline:.1f} s, "
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=0, help="s per test run (0: 3 x baseline + 10)")
     p.add_argument("--baseline-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    p.add_argument("--session-dir", type=Path, help="keep the cosmic-ray session databases here")
+    p.add_argument("--db-dir", type=Path, help="keep the cosmic-ray mutant databases here")
     args = p.parse_args(argv)
     modules = [m for m in args.modules.split(",") if m]
     unknown = sorted(set(modules) - set(MODULE_TESTS))
@@ -275,15 +275,15 @@ def main(argv=None) -> int:
     started = time.monotonic()
     tmp = None
     interrupted = False
-    if args.session_dir:
-        args.session_dir.mkdir(parents=True, exist_ok=True)
-        session_dir = args.session_dir.resolve()
+    if args.db_dir:
+        args.db_dir.mkdir(parents=True, exist_ok=True)
+        db_dir = args.db_dir.resolve()
     else:
         tmp = tempfile.TemporaryDirectory(prefix="bench_mutation-")
-        session_dir = Path(tmp.name)
+        db_dir = Path(tmp.name)
     try:
         for module in modules:
-            rows.append(run_module(module, args, session_dir))
+            rows.append(run_module(module, args, db_dir))
     except KeyboardInterrupt:
         interrupted = True
         print("interrupted; restoring the module files", file=sys.stderr)
