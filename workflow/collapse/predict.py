@@ -298,6 +298,20 @@ def surrogate_references(curves: Curves, fit: SurrogateFit) -> dict[str, Referen
     return references
 
 
+def _prediction_row(run: str, fraction: float, method: str, p, truth: float) -> dict:
+    """One row of PREDICTION_COLUMNS: a method's prediction of a run at a fraction."""
+    return {
+        "run": run,
+        "fraction": float(fraction),
+        "predicted_final_loss": p.final_loss,
+        "lower": p.lower,
+        "upper": p.upper,
+        "method": method,
+        "true_final_loss": truth,
+        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
+    }
+
+
 def predict_runs(
     curves: Curves,
     reference: ReferenceCurve | Mapping[str, ReferenceCurve],
@@ -350,32 +364,10 @@ def predict_runs(
                     )
                 except ValueError as err:
                     raise ValueError(f"run {run} at fraction {fraction}, {method}: {err}") from err
-                rows.append(
-                    {
-                        "run": run,
-                        "fraction": float(fraction),
-                        "predicted_final_loss": p.final_loss,
-                        "lower": p.lower,
-                        "upper": p.upper,
-                        "method": method,
-                        "true_final_loss": truth,
-                        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
-                    }
-                )
+                rows.append(_prediction_row(run, fraction, method, p, truth))
             if drift is not None:
                 p = predict_drift(t_hat[keep], loss[keep], drift, size_x[run], window)
-                rows.append(
-                    {
-                        "run": run,
-                        "fraction": float(fraction),
-                        "predicted_final_loss": p.final_loss,
-                        "lower": p.lower,
-                        "upper": p.upper,
-                        "method": DRIFT_METHOD,
-                        "true_final_loss": truth,
-                        "abs_error_pct": 100 * abs(p.final_loss - truth) / truth,
-                    }
-                )
+                rows.append(_prediction_row(run, fraction, DRIFT_METHOD, p, truth))
     table = pd.DataFrame(rows, columns=list(PREDICTION_COLUMNS))
     if "sweep" in curves.meta.columns:
         table["sweep"] = table["run"].map(curves.meta["sweep"]).fillna("").astype(str)
