@@ -46,3 +46,16 @@ def test_each_role_names_its_runs_and_sets_its_flags():
     assert reference and {plan.spec(r).size for r in reference} <= set(
         plan.config.family.reference.sizes
     )
+
+
+def test_a_sweep_variant_stopped_early_shares_the_family_run_it_is_the_start_of():
+    """tiny's tau sweep at d128 stops its variants at 30 %; the variant at the family's own tau
+    and seed trains the first 30 % of d128-tpp10-s0 step for step (same schedule), so it is that
+    run, trained once, and its true final loss is known. Variants at other taus are their own."""
+    for validate in ("false", "true"):
+        cfg = load_config(["family=tiny", f"family.sweeps.0.validate_full={validate}"])
+        table = plan_family(cfg, corpus_tokens=10**9).table.set_index("run")
+        assert table.at["sweep-tau-d128-tau0.2-s0", "same_as"] == "d128-tpp10-s0"
+        assert table.at["sweep-tau-d128-tau0.1-s0", "same_as"] == ""
+        assert table.at["sweep-tau-d128-tau0.4-s0", "same_as"] == ""
+        assert table.at["sweepref-tau-d96-tau0.2-s0", "same_as"] == "d96-tpp10-s0"

@@ -701,12 +701,18 @@ def corpus_size(cfg: Config) -> tuple[int, str]:
 
 def shared_with(runs: list[RunSpec]) -> list[str]:
     """For each run, the family run it trains exactly like (a sweep's, ``Role.may_share``), or
-    ""."""
-    family: dict[str, str] = {}
+    "". A sweep variant stopped early shares the full family run it is the first part of: it is
+    predicted from the same first steps, and its true final loss is then known too."""
+    family: dict[str, RunSpec] = {}
     for spec in runs:
         if spec.role == Role.FAMILY:
-            family.setdefault(spec.outputs_key(), spec.run)
-    return [family.get(s.outputs_key(), "") if s.role.may_share else "" for s in runs]
+            family.setdefault(spec.prefix_key(), spec)
+    twins = []
+    for spec in runs:
+        twin = family.get(spec.prefix_key()) if spec.role.may_share else None
+        longer = twin is not None and twin.optim.stop_fraction >= spec.optim.stop_fraction
+        twins.append(twin.run if longer else "")
+    return twins
 
 
 def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:

@@ -208,6 +208,14 @@ class RunSpec(_Strict):
         decides["stops_on_alarm"] = self.monitor.enabled and self.monitor.stop_on_alarm
         return json.dumps(decides, sort_keys=True)
 
+    def prefix_key(self) -> str:
+        """``outputs_key`` without where the run stops: two specs with one key write the same
+        steps as far as the shorter goes (the schedule is the full run's either way), so a run
+        stopped early is the first part of the longer one."""
+        decides = json.loads(self.outputs_key())
+        decides["optim"].pop("stop_fraction")
+        return json.dumps(decides, sort_keys=True)
+
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         return cls.model_validate_json(Path(path).read_text())
