@@ -6,6 +6,8 @@ Celerity at full breadth on slurm_h100 (three TPP bands, three seeds for every s
 - in process: compose + validate, plan, write the plan (`collapse plan` without its imports);
 - `snakemake -n`: the whole DAG, nothing run;
 - `snakemake --cores all plan`: the specs and the plan's tables, written by the workflow;
+- Celerity again over a 1 TiB blend of Megatron datasets (64 prefixes; sparse files, so the
+  benchmark needs no disk): the plan counts tokens from each .idx header and .bin size only;
 - Snakefile parse time of every shipped family (`snakemake --list-rules`), beside Snakemake's
   own start-up (`snakemake --version`), since every call and every Slurm job's own Snakemake
   parses the workflow again.
@@ -13,12 +15,15 @@ Celerity at full breadth on slurm_h100 (three TPP bands, three seeds for every s
 Targets: the written plan under 10 s for Celerity and 5 s for tiny, parse under 2 s. Nothing is
 asserted here; the figures are for the README's planning table.
 
-    python benchmarks/bench_plan.py
+    python benchmarks/bench_plan.py               # everything
+    python benchmarks/bench_plan.py --only blend  # one part: families, blend or parse
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -41,6 +46,34 @@ CELERITY_FULL = [
 ]
 # The warning Celerity's plan prints (its corpus repeats): once per call, not once per job.
 WARNING = "warning: the corpus is seen more than once"
+
+
+BLEND_BYTES = 1 << 40  # 1 TiB of int32 tokens, the scale of a real pretraining blend
+BLEND_PARTS = 64
+SEQUENCE_TOKENS = 1 << 30
+
+
+def sparse_blend(folder: Path, total_bytes: int = BLEND_BYTES, parts: int = BLEND_PARTS) -> list:
+    """A blend of ``parts`` Megatron prefixes holding ``total_bytes`` of int32 tokens in all: a
+    valid .idx (header, lengths, pointers, document index) beside a sparse .bin of that size."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = total_bytes // 4 // parts
+    lengths = [SEQUENCE_TOKENS] * (tokens // SEQUENCE_TOKENS)
+    if tokens % SEQUENCE_TOKENS:
+        lengths.append(tokens % SEQUENCE_TOKENS)
+    pointers = [4 * sum(lengths[:i]) for i in range(len(lengths))]
+    n = len(lengths)
+    index = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 4, n, n + 1)  # dtype 4: int32
+    index += struct.pack(f"<{n}i", *lengths) + struct.pack(f"<{n}q", *pointers)
+    index += struct.pack(f"<{n + 1}q", *range(n + 1))  # one document per sequence
+    blend = []
+    for part in range(parts):
+        prefix = folder / f"part{part:03d}_text_document"
+        Path(f"{prefix}.idx").write_bytes(index)
+        with open(f"{prefix}.bin", "wb") as handle:
+            handle.truncate(4 * tokens)
+        blend.append(f"{{prefix:{prefix},weight:1.0}}")
+    return blend
 
 
 def snakemake(*args: str, results: Path, overrides: list[str]) -> tuple[float, str]:
@@ -73,6 +106,19 @@ def in_process(overrides: list[str], results: Path) -> dict[str, float]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["families", "blend", "parse"], help="one part only")
+    only = parser.parse_args().only
+    if only in (None, "families"):
+        plan_families()
+    if only in (None, "blend"):
+        plan_blend()
+    if only in (None, "parse"):
+        parse_times()
+    return 0
+
+
+def plan_families() -> None:
     rows = []
     for name, overrides in [
         ("celerity, slurm_h100, 3 bands x 3 seeds + 20-point sweep", CELERITY_FULL),
@@ -101,6 +147,28 @@ def main() -> int:
         print(f"  the same call again (nothing to do)   {again:6.2f} s")
         print(f"  '{WARNING}' lines in that call: {plan_out.count(WARNING)}")
 
+
+def plan_blend() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        blend = sparse_blend(Path(tmp) / "blend")
+        overrides = [*CELERITY_FULL, f"family.data.train=[{','.join(blend)}]"]
+        t0 = time.perf_counter()
+        tokens = plan_family(load_config([*overrides, f"results={tmp}/p"])).table.tokens.sum()
+        planned = time.perf_counter() - t0
+        dry, dry_out = snakemake("-n", results=Path(tmp) / "dry", overrides=overrides)
+        placeholder, _ = snakemake("-n", results=Path(tmp) / "ph", overrides=CELERITY_FULL)
+    epochs = re.search(r"seen more than once[^\n]*", dry_out)
+    print(f"\ncelerity over a {BLEND_BYTES / 2**40:g} TiB blend ({BLEND_PARTS} prefixes)")
+    print(
+        f"  in process: compose + plan            {planned:6.2f} s  ({tokens:.3g} tokens trained)"
+    )
+    print(f"  snakemake -n                          {dry:6.2f} s")
+    ratio = dry / placeholder
+    print(f"  snakemake -n, placeholder blend       {placeholder:6.2f} s  (ratio {ratio:.2f})")
+    print(f"  repeated-data warning: {epochs.group(0) if epochs else 'none (one pass or less)'}")
+
+
+def parse_times() -> None:
     print("\nSnakefile parse time (snakemake --list-rules), every shipped family")
     with tempfile.TemporaryDirectory() as tmp:
         start, _ = snakemake("--version", results=Path(tmp), overrides=["x=1", "y=1"])
@@ -112,7 +180,6 @@ def main() -> int:
                 overrides=[f"family={family}", "cluster=local"],
             )
             print(f"  {family:<28}          {parse:6.2f} s")
-    return 0
 
 
 if __name__ == "__main__":
