@@ -9,15 +9,18 @@ import math
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_train_support import run_training, tiny_spec, write_spec
 
-from collapse.data import DataConfig, build_dataset
+from collapse.data import DataConfig, MegatronDataConfig, build_blend, build_dataset
 from collapse.evaluate import (
+    NO_TOKENIZER,
     PAPER_TASKS,
     EvaluationError,
     evaluate_run,
+    heldout_token_stream,
     latest_checkpoint,
     load_model,
     main,
@@ -343,3 +346,75 @@ def test_a_failed_gate_blocks_evaluation_and_allow_fail_lets_it_through(
     assert collapse([*stage, "--gate", str(allowed), "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["run"] == "tiny" and set(results["tasks"]) == {"piqa"}
+
+
+# ------------------------------------------------------------------------------ a user's blend
+USER_EOD = 5  # a tokenizer whose documents end with id 5, not the stage's 0
+
+
+def _blend_spec(trained, folder: Path, *, tokenizer: bool, weights=(1.0,)) -> Path:
+    """The trained run, its data given as a ``kind: megatron`` blend of the built prefixes (the
+    valid prefix once per weight) with (or without) a tokenizer whose EOD token is id 5."""
+    _, spec = trained
+    built = Path(spec.dataset_prefix).parent
+    eod_token = load_tokenizer(spec.tokenizer).id_to_token(USER_EOD)
+    cfg = MegatronDataConfig(
+        kind="megatron",
+        train=[{"prefix": spec.dataset_prefix}],
+        valid=[{"prefix": spec.valid_prefix, "weight": w} for w in weights],
+        vocab_size=VOCAB,
+        tokenizer=str(built / "tokenizer.json") if tokenizer else None,
+        eod_token=eod_token,
+    )
+    build_blend(cfg, folder)
+    users = spec.model_copy(
+        update={
+            "dataset_prefix": str(folder / "train_text_document"),
+            "valid_prefix": str(folder / "valid_text_document"),
+            "tokenizer": str(folder / "tokenizer.json"),
+        }
+    )
+    path = folder / "spec.json"
+    path.write_text(users.to_json())
+    return path
+
+
+def test_a_users_blend_is_evaluated_with_its_own_end_of_document_id(trained, tmp_path: Path):
+    spec_path, _ = trained
+    ours = evaluate_run(spec_path, tmp_path / "ours.json", tasks=[], heldout_sequences=16)
+    blend = _blend_spec(trained, tmp_path / "blend", tokenizer=True)
+    users = evaluate_run(
+        blend, tmp_path / "users.json", tasks=["piqa"], limit=2, heldout_sequences=16
+    )
+    assert ours["eod_id"] == 0 and users["eod_id"] == USER_EOD
+    assert users["heldout_loss"] == pytest.approx(ours["heldout_loss"], abs=1e-6)  # same split
+    assert users["tasks"]["piqa"]["n"] == 2 and users["tasks_skipped"] == ""
+
+
+def test_without_its_tokenizer_a_blend_gets_its_heldout_loss_and_says_why_not_tasks(
+    trained, tmp_path: Path, capsys
+):
+    blend = _blend_spec(trained, tmp_path / "blend", tokenizer=False)
+    results = evaluate_run(blend, tmp_path / "users.json", limit=2, heldout_sequences=16)
+    assert results["tasks"] == {} and results["tasks_skipped"] == NO_TOKENIZER
+    assert "data.tokenizer" in capsys.readouterr().err
+    assert math.isfinite(results["heldout_loss"]) and results["eod_id"] is None
+
+
+def test_a_heldout_blend_draws_from_each_part_by_its_weight(trained):
+    """3:1 weights over two parts: the first 3/4 of the tokens from the first part's start, the
+    rest from the second's, as the .bin files hold them (read here with numpy)."""
+    _, spec = trained
+    tokens = np.fromfile(spec.valid_prefix + ".bin", dtype=np.uint16).astype(np.int64)
+    stream = heldout_token_stream([(spec.valid_prefix, 3.0), (spec.valid_prefix, 1.0)], 1001)
+    assert stream.tolist() == [*tokens[:751], *tokens[:250]]
+
+
+def test_a_users_end_of_document_id_starts_every_scored_text(loaded):
+    spec, model, _ = loaded
+    tokenizer = load_tokenizer(spec.tokenizer)
+    lm = megatron_lm_class()(model, tokenizer, SEQ_LEN, batch_size=4, eod_id=USER_EOD)
+    text = "To be, or not to be, that is the question"
+    [rolling] = lm.loglikelihood_rolling([_request(text)])
+    logprobs, _ = _direct_logprobs(model, [USER_EOD, *lm.encode(text)])
+    assert rolling == pytest.approx(logprobs.sum().item(), abs=1e-4)

@@ -31,6 +31,7 @@ import struct
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Literal
@@ -434,6 +435,7 @@ class BlendSummary(BaseModel):
     config: MegatronDataConfig
     vocab_size: int
     tokenizer: str | None
+    eod_id: int | None = None  # the tokenizer's end-of-document id (data.eod_token), if given
     blend: dict[str, list[BlendPart]]  # split (train, valid) -> its prefixes
     train: dict[str, int]  # tokens, documents (the blend's sums)
     valid: dict[str, int]
@@ -483,8 +485,9 @@ def build_blend(cfg: MegatronDataConfig, out_dir: Path) -> BlendSummary:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / META_NAME).unlink(missing_ok=True)
     check_placeholders(cfg)
+    eod = None
     if cfg.tokenizer is not None:
-        check_tokenizer_file(cfg.tokenizer, cfg.vocab_size, cfg.eod_token)
+        _, eod = check_tokenizer_file(cfg.tokenizer, cfg.vocab_size, cfg.eod_token)
     blend: dict[str, list[BlendPart]] = {}
     for split in ("train", "valid"):
         parts = []
@@ -520,6 +523,7 @@ def build_blend(cfg: MegatronDataConfig, out_dir: Path) -> BlendSummary:
         config=cfg,
         vocab_size=cfg.vocab_size,
         tokenizer=tokenizer_name,
+        eod_id=eod,
         blend=blend,
         train={
             "tokens": sum(p.tokens for p in blend["train"]),
@@ -569,6 +573,30 @@ def training_blend(train_prefix: str, valid_prefix: str):
         prefixes = [p["prefix"] for p in parts]
         out.append((prefixes, [p["weight"] for p in parts] if len(parts) > 1 else None))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class EvaluationData:
+    """What evaluation reads of a run's data: the held-out blend, the tokenizer and its EOD id
+    (None for a ``kind: megatron`` source given without ``data.tokenizer``)."""
+
+    valid: list[tuple[str, float]]  # (prefix, weight)
+    tokenizer: Path | None
+    eod_id: int | None
+
+
+def evaluation_data(train_prefix: str, valid_prefix: str, tokenizer: str) -> EvaluationData:
+    """The held-out split, tokenizer and EOD id of the data built beside ``train_prefix``, as
+    its meta.json gives them (a run's spec names the stage's own prefixes and tokenizer file)."""
+    meta_path = Path(train_prefix).parent / META_NAME
+    if not meta_path.is_file():
+        raise DatasetError(f"{meta_path}: the data build did not finish. Fix: run the data rule")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("kind") != "megatron":  # the stage built the tokenizer and both prefixes
+        return EvaluationData([(valid_prefix, 1.0)], Path(tokenizer), meta.get("eod_id", EOD_ID))
+    valid = [(p["prefix"], p["weight"]) for p in meta["blend"]["valid"]]
+    given = Path(tokenizer) if meta.get("tokenizer") else None
+    return EvaluationData(valid, given, meta.get("eod_id"))
 
 
 def verify_training_data(train_prefix: str, valid_prefix: str) -> None:

