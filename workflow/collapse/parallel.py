@@ -282,7 +282,7 @@ def choose_layout(
             f"{usable / GIB:.1f} GiB usable ({mem_headroom:.0%} of {gpu_mem_bytes / GIB:.0f} GiB)"
             + (
                 f"; it exceeds the GPU even at the largest TP x PP the GPUs allow "
-                f"({closest.tp} x {closest.pp}), with full recompute and micro-batch 1"
+                f"({closest.tp} x {closest.pp}), with micro-batch 1 and every recompute choice"
                 if at_largest
                 else ""
             )
