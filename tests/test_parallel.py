@@ -164,3 +164,20 @@ def test_gpu_hours_and_wall_time():
         gpu_hours(1e21, 989e12, 0.0)
     with pytest.raises(ValueError, match="gpus"):
         wall_time_hours(1e21, 0, 989e12, 0.4)
+
+
+def test_plan_time_errors_name_the_size_the_closest_layout_and_the_gpu_cap():
+    from collapse.config import ConfigError
+
+    small_gpus = ["family=celerity", "cluster=slurm_h100", "cluster.gpu_mem_gb=4"]
+    with pytest.raises(ConfigError) as error:
+        plan_family(load_config(small_gpus), 10**13)
+    message = str(error.value)
+    assert "cluster 'slurm_h100': size 300M:" in message
+    assert "the closest layout, tp=2 pp=13" in message
+    assert "even at the largest TP x PP the GPUs allow" in message
+    for bad in ("cluster.max_nodes=0", "cluster.max_nodes=-2"):
+        with pytest.raises(ConfigError, match="cluster.max_nodes: Input should be greater than 0"):
+            load_config(["family=celerity", "cluster=slurm_h100", bad])
+    with pytest.raises(ConfigError, match="gpus_per_node >= 1"):
+        load_config(["family=celerity", "cluster=slurm_h100", "cluster.gpus_per_node=0"])
