@@ -1,273 +1,183 @@
-"""Memory per GPU, layout choice and GPU-hours against hand-computed values."""
+"""Layout search, step-time model and GPU-hours against hand-computed values and the plan."""
 
 from __future__ import annotations
 
 import pytest
 from archs import small_arch
 
+from collapse import memory
+from collapse.config import load_config
 from collapse.parallel import (
     GIB,
-    Layout,
     LayoutError,
-    activation_bytes_per_layer,
+    Network,
     choose_layout,
     cpu_layout,
     gpu_hours,
-    memory_per_gpu_bytes,
-    stage_params,
+    step_time,
     wall_time_hours,
 )
-from collapse.runspec import ModelArch
-from collapse.scaling import param_count
+from collapse.plan import plan_family
 
-N_SMALL = 108_544  # tests/test_scaling.py: word 6400, positions 2048, body 100096
-
-
-def test_stage_params_by_hand():
-    a = small_arch()
-    assert param_count(a).total == N_SMALL
-    assert stage_params(a, N_SMALL, pp=1) == N_SMALL
-    # pp 2: first = 100096 / 2 + 6400 + 2048 = 58496; last = 50048 + 6400 (tied copy) = 56448
-    assert stage_params(a, N_SMALL, pp=2) == 58_496
-
-
-def test_activations_per_layer_by_hand():
-    a = small_arch()
-    # s 32, b 2, h 64, 2-byte: replicated 2*2*sbh + 2*2*sbh + 2*sbh = 10 sbh = 40960;
-    # sharded 4*2*s*b*d_attn + 2*s*b*2f = 32768 + 65536 = 98304
-    assert (
-        activation_bytes_per_layer(a, micro_batch_seqs=2, tp=1, act_bytes=2, flash_attention=True)
-        == 40_960 + 98_304
-    )
-    # Korthikanti 4h FFN: s b h (10 + 24/t) + 5 a s^2 b / t with t = 2
-    s, b, h, heads, t = 32, 2, 64, 4, 2
-    korthikanti = s * b * h * (10 + 24 // t) + 5 * heads * s * s * b // t
-    assert (
-        activation_bytes_per_layer(a, micro_batch_seqs=2, tp=2, act_bytes=2, flash_attention=False)
-        == korthikanti
-        == 110_592
-    )
+N_SMALL = 108_544  # tests/test_scaling.py: the small architecture's parameters
+# round numbers for hand arithmetic: 1e12 FLOP/s per GPU at MFU 0.5, 1 GB/s links, no latency
+SLOW = Network(
+    peak_flops=1e12,
+    mfu=0.5,
+    tp_bandwidth_gbs=1.0,
+    dp_bandwidth_gbs=1.0,
+    min_dp_efficiency=0.5,
+    min_efficiency=0.1,
+    latency_s=0.0,
+)
+FAST = Network(peak_flops=1e12, mfu=0.5, tp_bandwidth_gbs=1e6, dp_bandwidth_gbs=1e6, latency_s=0)
+FPT = 1e6  # FLOPs per token
 
 
-def test_memory_single_gpu_by_hand():
-    m = memory_per_gpu_bytes(small_arch(), N_SMALL, tp=1, pp=1, dp=1, micro_batch_seqs=2)
-    assert m.weights == 2 * N_SMALL == 217_088  # bf16
-    assert m.grads == 4 * N_SMALL == 434_176  # fp32 main grads
-    assert m.optimizer == 12 * N_SMALL == 1_302_528  # fp32 master + m + v
-    # 2 layers x 139264 + output: 2*2*sbh + (2 + 4) s b V = 16384 + 38400
-    assert m.activations == 2 * 139_264 + 54_784 == 333_312
-    assert m.total == 2_287_104
-
-
-def test_memory_tp2_pp2_dp2_by_hand():
-    m = memory_per_gpu_bytes(
-        small_arch(), N_SMALL, tp=2, pp=2, dp=2, micro_batch_seqs=2, flash_attention=False
-    )
-    on_gpu = 58_496 // 2  # largest stage over TP
-    assert m.weights == 2 * on_gpu
-    assert m.grads == 4 * on_gpu
-    assert m.optimizer == 12 * on_gpu // 2  # distributed optimizer over dp 2
-    # first stage: pp 2 micro-batches x 1 layer x 110592; last: 110592 + 16384 + 38400 / 2
-    assert m.activations == max(2 * 110_592, 110_592 + 35_584) == 221_184
-    assert m.total == 58_496 + 116_992 + 175_488 + 221_184
-
-
-def test_memory_recompute_and_fp32():
-    m = memory_per_gpu_bytes(
-        small_arch(), N_SMALL, tp=1, pp=1, dp=4, micro_batch_seqs=2, activation_recompute=True
-    )
-    # layer inputs 2 x (2*32*2*64 = 8192) + one layer rebuilt 139264 + output 54784
-    assert m.activations == 2 * 8_192 + 139_264 + 54_784
-    assert m.optimizer == 12 * N_SMALL // 4
-    fp32 = memory_per_gpu_bytes(
-        small_arch(),
-        N_SMALL,
+def _step(**kw):
+    args = dict(
+        flops_per_token=FPT,
+        batch_seqs=64,
         tp=1,
         pp=1,
-        dp=4,
-        micro_batch_seqs=2,
-        param_bytes=4,
-        distributed_optimizer=False,
+        dp=1,
+        micro_batch_seqs=1,
+        recompute="none",
+        params_on_rank=N_SMALL,
+        gpus_per_node=8,
     )
-    assert fp32.weights == 4 * N_SMALL
-    assert fp32.optimizer == 8 * N_SMALL  # no master copy, not sharded
-    with pytest.raises(ValueError, match="pp=3"):
-        memory_per_gpu_bytes(small_arch(), N_SMALL, tp=1, pp=3, dp=1, micro_batch_seqs=1)
+    return step_time(small_arch(), SLOW, **(args | kw))
 
 
-def _fits_exactly(layout_memory_total: int, headroom: float = 0.85) -> int:
-    return int(layout_memory_total / headroom) + 8
+def test_step_time_by_hand():
+    # 64 x 32 tokens x 1e6 FLOPs / (1 GPU x 0.5e12) = 4.096 ms, nothing else on one GPU
+    assert _step() == pytest.approx((4.096e-3, 1.0))
+    assert _step(recompute="full")[0] == pytest.approx(4.096e-3 * 4 / 3)
+    # dp 2 within a node: 2.048 ms + (1/2) x 6 bytes x N / 1 GB/s = 0.325632 ms
+    seconds, dp_eff = _step(dp=2)
+    assert seconds == pytest.approx(2.048e-3 + 0.5 * 6 * N_SMALL / 1e9)
+    assert dp_eff == pytest.approx(2.048e-3 / seconds)
+    # pp 2, 64 micro-batches: bubble 1/65; two sends of s b h x 2 bytes per micro-batch
+    seconds, _ = _step(pp=2)
+    assert seconds == pytest.approx(2.048e-3 * 65 / 64 + 2 * 64 * 32 * 64 * 2 / 1e9)
+    # tp 2: 4 all-reduces per layer and micro-batch of 4096 bytes, each moving half of them
+    seconds, _ = _step(tp=2)
+    assert seconds == pytest.approx(2.048e-3 + 64 * 2 * 4 * 4096 / 1e9)
 
 
-def test_choose_layout_small_model_takes_one_gpu_and_largest_micro_batch():
-    layout = choose_layout(
-        small_arch(), N_SMALL, batch_seqs=64, gpus_per_node=8, gpu_mem_bytes=80 * GIB, max_nodes=4
-    )
-    # 64 x 32 = 2048 tokens per step: below 32k per replica, so no data parallelism
-    assert (layout.tp, layout.pp, layout.dp, layout.gpus, layout.nodes) == (1, 1, 1, 1, 1)
-    assert (layout.micro_batch_seqs, layout.grad_accum) == (8, 8)
-
-
-def test_choose_layout_data_parallel_rule():
-    # at least 256 tokens (8 sequences) per replica: dp 8 of 64; dp 16 would leave 4 sequences
-    layout = choose_layout(
-        small_arch(),
-        N_SMALL,
+def _choose(arch=None, network=FAST, **kw):
+    args = dict(
         batch_seqs=64,
+        flops_per_token=FPT,
         gpus_per_node=8,
         gpu_mem_bytes=80 * GIB,
         max_nodes=4,
-        min_tokens_per_replica=256,
+        network=network,
     )
-    assert (layout.dp, layout.gpus, layout.nodes, layout.procs_per_node) == (8, 8, 1, 8)
+    return choose_layout(arch or small_arch(), **(args | kw))
+
+
+def test_fastest_layout_takes_the_gpu_cap_when_links_are_free():
+    layout = _choose()
+    assert layout.gpus == 32 and layout.nodes == 4 and layout.procs_per_node == 8
     assert layout.micro_batch_seqs * layout.grad_accum * layout.dp == 64
-    # at 64 tokens per replica: dp 32 is 4 nodes; dp 64 would need 8 nodes > max_nodes 4
-    wide = choose_layout(
-        small_arch(),
-        N_SMALL,
-        batch_seqs=64,
-        gpus_per_node=8,
-        gpu_mem_bytes=80 * GIB,
-        max_nodes=4,
-        min_tokens_per_replica=64,
+    assert layout.limit == "the GPU cap (32)"
+    assert all(c.step_seconds >= layout.step_seconds for c in layout.runners_up)
+    assert layout.runners_up, "the report shows runners-up"
+
+
+def test_data_parallel_efficiency_floor_bounds_the_gpus():
+    layout = _choose(network=SLOW)
+    seconds, dp_eff = _step(
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        micro_batch_seqs=layout.micro_batch_seqs,
+        params_on_rank=memory.max_rank_params(small_arch(), tp=layout.tp, pp=layout.pp),
     )
-    assert (wide.dp, wide.gpus, wide.nodes, wide.procs_per_node) == (32, 32, 4, 8)
+    assert seconds == pytest.approx(layout.step_seconds)
+    assert dp_eff >= SLOW.min_dp_efficiency
+    assert layout.gpus == 32  # at a floor of 50 % the cap is reached
+    strict = _choose(network=Network(**(SLOW.__dict__ | {"min_dp_efficiency": 0.95})))
+    assert strict.gpus < 32
+    assert strict.limit.startswith("efficiency: on more GPUs")
 
 
-def test_choose_layout_prefers_tensor_parallel_when_memory_forces_it():
+def test_memory_forces_model_parallelism_and_nothing_chosen_exceeds_it():
     a = small_arch()
-    need_tp2 = memory_per_gpu_bytes(a, N_SMALL, tp=2, pp=1, dp=1, micro_batch_seqs=1).total
-    need_tp1 = memory_per_gpu_bytes(a, N_SMALL, tp=1, pp=1, dp=1, micro_batch_seqs=1).total
-    need_pp2 = memory_per_gpu_bytes(a, N_SMALL, tp=1, pp=2, dp=1, micro_batch_seqs=1).total
-    mem = _fits_exactly(need_tp2)
-    assert 0.85 * mem < need_tp1 and 0.85 * mem < need_pp2  # neither tp 1 nor pp 2 alone fits
-    layout = choose_layout(
-        a, N_SMALL, batch_seqs=4, gpus_per_node=8, gpu_mem_bytes=mem, max_nodes=1
-    )
-    assert (layout.tp, layout.pp, layout.micro_batch_seqs, layout.grad_accum) == (2, 1, 1, 4)
-    assert layout.memory.total == need_tp2
+    one = memory.estimate(a, tp=1, pp=1, dp=1, micro_batch_seqs=1, grad_accum=4).total
+    usable = int(0.9 * one)  # one GPU at micro-batch 1 does not fit
+    layout = _choose(batch_seqs=4, gpu_mem_bytes=int(usable / 0.85), max_nodes=1)
+    assert layout.tp * layout.pp > 1 or layout.recompute == "full"
+    for c in (layout, *layout.runners_up):
+        assert c.memory.total <= usable
 
 
-def test_choose_layout_falls_back_to_pipeline_without_tp():
-    a = small_arch()
-    need_pp2 = memory_per_gpu_bytes(a, N_SMALL, tp=1, pp=2, dp=1, micro_batch_seqs=1).total
-    # one GPU per node: TP is impossible, PP 2 spans two nodes
-    layout = choose_layout(
-        a,
-        N_SMALL,
-        batch_seqs=4,
-        gpus_per_node=1,
-        gpu_mem_bytes=_fits_exactly(need_pp2),
-        max_nodes=2,
-    )
-    assert (layout.tp, layout.pp, layout.gpus, layout.nodes, layout.procs_per_node) == (
-        1,
-        2,
-        2,
-        2,
-        1,
-    )
-
-
-def test_choose_layout_fixed_gpus_and_heads_divisibility():
-    a = small_arch(n_heads=2, head_dim=32)  # TP at most 2
-    layout = choose_layout(
-        a, N_SMALL, batch_seqs=12, gpus_per_node=8, gpu_mem_bytes=80 * GIB, max_nodes=1, gpus=4
-    )
-    assert (layout.tp, layout.pp, layout.dp, layout.micro_batch_seqs, layout.grad_accum) == (
-        1,
-        1,
-        4,
-        3,
-        1,
-    )
-    with pytest.raises(LayoutError, match="exactly 5 GPUs"):
-        choose_layout(
-            a, N_SMALL, batch_seqs=12, gpus_per_node=8, gpu_mem_bytes=80 * GIB, max_nodes=1, gpus=5
-        )
-
-
-def test_choose_layout_error_names_size_need_and_fix():
+def test_no_fit_names_the_closest_layout_and_the_largest_tp_pp():
     with pytest.raises(LayoutError) as error:
-        choose_layout(
-            small_arch(), N_SMALL, batch_seqs=4, gpus_per_node=2, gpu_mem_bytes=10_000, max_nodes=1
-        )
+        _choose(batch_seqs=4, gpu_mem_bytes=10_000, gpus_per_node=2, max_nodes=2)
     message = str(error.value)
-    for part in ("0.00B-parameter", "GiB per GPU", "usable", "activation recompute", "max_nodes"):
+    for part in ("the closest layout, tp=2 pp=2", "GiB per GPU", "usable", "max_nodes"):
         assert part in message
+    assert "exceeds the GPU even at the largest TP x PP the GPUs allow (2 x 2)" in message
+    with pytest.raises(ValueError, match="max_nodes must be a positive integer, got 0"):
+        _choose(max_nodes=0)
     with pytest.raises(ValueError, match="mem_headroom"):
-        choose_layout(
-            small_arch(),
-            N_SMALL,
-            batch_seqs=4,
-            gpus_per_node=2,
-            gpu_mem_bytes=GIB,
-            max_nodes=1,
-            mem_headroom=1.5,
-        )
+        _choose(mem_headroom=1.5)
 
 
-def test_celerity_layouts_on_80gb_nodes(capsys):
-    """docs/method.md §8 sizes on 8 x 80 GB per node, 16 nodes: every size fits."""
-    sizes = [
-        ("300M", 640, 10, 64, 13, 176),
-        ("500M", 896, 14, 64, 17, 240),
-        ("900M", 1152, 9, 128, 23, 336),
-        ("1.8B", 1536, 12, 128, 30, 464),
-        ("3.9B", 2048, 16, 128, 40, 672),
-    ]
-    rows = []
-    for name, d, heads, head_dim, layers, batch in sizes:
-        a = ModelArch(
-            d_model=d,
-            n_layers=layers,
-            n_heads=heads,
-            head_dim=head_dim,
-            ffn_hidden=8 * d,
-            activation="squared_relu",
-            positions="alibi",
-            vocab_size=128256,
-            seq_len=8192,
-            tied_embeddings=False,
-        )
-        n = param_count(a).total
-        layout = choose_layout(
-            a, n, batch_seqs=batch, gpus_per_node=8, gpu_mem_bytes=80 * GIB, max_nodes=16
-        )
-        assert isinstance(layout, Layout)
-        assert layout.micro_batch_seqs * layout.grad_accum * layout.dp == batch
-        assert heads % layout.tp == 0 and layers % layout.pp == 0
-        assert layout.memory.total <= 0.85 * 80 * GIB
-        assert batch // layout.dp * 8192 >= 32_768
-        assert layout.gpus == layout.tp * layout.pp * layout.dp
-        assert layout.gpus <= 8 or layout.gpus % 8 == 0
-        rows.append(
-            f"{name}: tp {layout.tp} pp {layout.pp} dp {layout.dp} micro {layout.micro_batch_seqs}"
-            f" accum {layout.grad_accum} gpus {layout.gpus} "
-            f"mem {layout.memory.total / GIB:.1f} GiB"
-        )
-    with capsys.disabled():
-        print("\nCelerity layouts:\n  " + "\n  ".join(rows))
-    # 300M: 176 = 16 x 11; dp 22, 44 are not whole nodes, dp 88 leaves 16k tokens < 32k
-    assert rows[0].startswith("300M: tp 1 pp 1 dp 16 micro 1 accum 11 gpus 16")
+def test_celerity_on_slurm_h100_within_a_week_and_sizes_ordered():
+    plan = plan_family(load_config(["family=celerity", "cluster=slurm_h100"]), 10**13)
+    t = plan.table
+    assert t.wall_hours.max() < 7 * 24
+    assert (t.memory_gb_per_gpu <= 0.85 * 80).all()
+    for spec in plan.runs:
+        p = spec.parallel
+        assert p.micro_batch_seqs * p.grad_accum * p.dp == spec.optim.batch_seqs
+        assert p.gpus <= 32 * 8 and (p.gpus <= 8 or p.gpus % 8 == 0)
+        assert spec.model.n_heads % p.tp == 0 and spec.model.n_layers % p.pp == 0
+    # a size on fewer GPUs than a smaller one says why, in the plan report
+    gpus = t[t.role == "family"].groupby("size", sort=False).gpus.first()
+    report = plan.report_layouts()
+    for i, size in enumerate(gpus.index):
+        if (gpus.iloc[:i] > gpus.iloc[i]).any():
+            assert f"- {size} runs on fewer GPUs than a smaller size" in report
 
 
 def test_cpu_layout():
-    layout = cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=2)
+    layout = cpu_layout(small_arch(), batch_seqs=16, procs=2)
     assert (layout.tp, layout.pp, layout.dp, layout.gpus, layout.procs_per_node) == (1, 1, 2, 0, 2)
     assert (layout.micro_batch_seqs, layout.grad_accum) == (8, 1)
     assert layout.memory.weights == 4 * N_SMALL  # fp32 on CPU
-    small_micro = cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=2, max_micro_batch=3)
+    small_micro = cpu_layout(small_arch(), batch_seqs=16, procs=2, max_micro_batch=3)
     assert (small_micro.micro_batch_seqs, small_micro.grad_accum) == (2, 4)
     with pytest.raises(LayoutError, match="procs=3"):
-        cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=3)
+        cpu_layout(small_arch(), batch_seqs=16, procs=3)
 
 
 def test_gpu_hours_and_wall_time():
     # 1e21 / (989e12 x 0.4) = 2.5278e6 s = 702.2 GPU-hours; on 8 GPUs 87.77 h
     assert gpu_hours(1e21, 989e12, 0.4) == pytest.approx(702.16, abs=0.01)
     assert wall_time_hours(1e21, 8, 989e12, 0.4) == pytest.approx(87.77, abs=0.01)
+    assert wall_time_hours(1e21, 8, 989e12, 0.4, 0.5) == pytest.approx(175.54, abs=0.01)
     with pytest.raises(ValueError, match="mfu"):
         gpu_hours(1e21, 989e12, 0.0)
     with pytest.raises(ValueError, match="gpus"):
         wall_time_hours(1e21, 0, 989e12, 0.4)
+
+
+def test_plan_time_errors_name_the_size_the_closest_layout_and_the_gpu_cap():
+    from collapse.config import ConfigError
+
+    small_gpus = ["family=celerity", "cluster=slurm_h100", "cluster.gpu_mem_gb=4"]
+    with pytest.raises(ConfigError) as error:
+        plan_family(load_config(small_gpus), 10**13)
+    message = str(error.value)
+    assert "cluster 'slurm_h100': size 300M:" in message
+    assert "the closest layout, tp=2 pp=13" in message
+    assert "even at the largest TP x PP the GPUs allow" in message
+    for bad in ("cluster.max_nodes=0", "cluster.max_nodes=-2"):
+        with pytest.raises(ConfigError, match="cluster.max_nodes: Input should be greater than 0"):
+            load_config(["family=celerity", "cluster=slurm_h100", bad])
+    with pytest.raises(ConfigError, match="gpus_per_node >= 1"):
+        load_config(["family=celerity", "cluster=slurm_h100", "cluster.gpus_per_node=0"])

@@ -249,3 +249,18 @@ def test_the_spec_decides_which_callbacks_attach(tmp_path: Path):
     monitor = Monitor(enabled=True, reference_csv=str(reference), every_steps=10)
     got = names(tiny_spec(tmp_path, monitor=monitor, run_dir=str(tmp_path / "run")))
     assert got == ["ControlsAudit", *production[:4], "CollapseMonitor", *production[4:]]
+
+
+@pytest.mark.slow
+def test_the_planned_recompute_trains_the_same_losses(tmp_path: Path):
+    """Recompute changes memory, not arithmetic: full and selective give the losses of none."""
+    curves = {}
+    for recompute in ("none", "full", "selective"):
+        spec = tiny_spec(tmp_path, run=f"recompute-{recompute}", steps=4)
+        spec = spec.model_copy(
+            update={"parallel": spec.parallel.model_copy(update={"recompute": recompute})}
+        )
+        _ok(run_training(spec, tmp_path))
+        curves[recompute] = losses(spec)
+    assert curves["full"] == pytest.approx(curves["none"], rel=1e-5)
+    assert curves["selective"] == pytest.approx(curves["none"], rel=1e-5)

@@ -492,6 +492,15 @@ class ClusterSpec(_Spec):
     max_nodes: PositiveInt = 1
     cpus_per_gpu: PositiveInt = 8
     mem_per_gpu_gb: PositiveFloat = 64
+    # layout search (collapse.parallel.choose_layout): link bandwidths of the throughput model,
+    # the floors of data-parallel and overall efficiency (estimated speed over all GPUs at the
+    # MFU: what GPU-hours a faster layout may cost), and whether the GPU nodes have
+    # TransformerEngine (sequence parallelism needs its LayerNorm)
+    tp_bandwidth_gbs: PositiveFloat = 300.0
+    dp_bandwidth_gbs: PositiveFloat = 40.0
+    min_dp_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.8
+    min_efficiency: Annotated[float, Field(gt=0, le=1)] = 0.6
+    transformer_engine: bool = True
     # both: peak FLOP/s per device (a GPU, or the whole CPU machine) and assumed MFU
     peak_flops: PositiveFloat = 1.0e11
     mfu: Annotated[float, Field(gt=0, le=1)] = 0.3

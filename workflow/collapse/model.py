@@ -46,6 +46,16 @@ def validate_arch(spec: RunSpec) -> None:
             f"model.n_layers={arch.n_layers} is not divisible by parallel.pp={par.pp}: "
             "choose a pp that divides the layer count"
         )
+    if (
+        par.sequence_parallel
+        and par.tp > 1
+        and not (torch.cuda.is_available() and transformer_engine_available())
+    ):
+        raise ValueError(
+            "parallel.sequence_parallel needs TransformerEngine's layers on a GPU (the local "
+            "layer spec's LayerNorm cannot split the sequence): install transformer_engine, or "
+            "plan with cluster.transformer_engine=false"
+        )
     if spec.mup.kind != "sp" and spec.mup.attention_scale <= 0:
         raise ValueError("mup.attention_scale must be positive (µP: 1/head_dim)")
 
@@ -76,6 +86,8 @@ def transformer_config(spec: RunSpec, on_gpu: bool):
         attention_dropout=0.0,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        sequence_parallel=par.sequence_parallel and par.tp > 1,
+        **recompute_options(par.recompute),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=on_gpu,
@@ -84,6 +96,22 @@ def transformer_config(spec: RunSpec, on_gpu: bool):
         use_cpu_initialization=True,
         perform_initialization=True,
     )
+
+
+def recompute_options(recompute: str) -> dict:
+    """TransformerConfig's activation recompute for the plan's choice (collapse.memory counts
+    what each keeps): selective rebuilds the core attention, full every layer from its input."""
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
+    raise ValueError(f"parallel.recompute must be none, selective or full, got {recompute!r}")
 
 
 def layer_spec(spec: RunSpec, on_gpu: bool):

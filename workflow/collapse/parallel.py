@@ -1,18 +1,18 @@
-"""Memory per GPU, the parallel layout of a training job, wall time and GPU-hours.
+"""The parallel layout of a training job, its estimated step time, wall time and GPU-hours.
 
 Pure functions over primitives and a ModelArch: the planner picks the cluster numbers out of its
-config and calls these once per run.
+config and calls these once per size. Memory per GPU comes from ``collapse.memory``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collapse import memory
+from collapse.memory import GIB, MemoryEstimate
 from collapse.runspec import ModelArch
-from collapse.scaling import param_count
 
-GIB = 2**30
-MIN_TOKENS_PER_REPLICA = 32_768
+__all__ = ["GIB", "Layout", "LayoutError", "MemoryEstimate", "choose_layout", "cpu_layout"]
 
 
 class LayoutError(ValueError):
@@ -20,17 +20,42 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per GPU on the most loaded pipeline stage."""
+class Network:
+    """The throughput model's facts about a GPU cluster (its config's names)."""
 
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
+    peak_flops: float  # dense bf16 FLOP/s per GPU
+    mfu: float  # model FLOPs utilization of one GPU without communication or pipeline bubble
+    tp_bandwidth_gbs: float = 300.0  # all-reduce bus bandwidth within a node, GB/s per GPU
+    dp_bandwidth_gbs: float = 40.0  # between nodes, GB/s per GPU
+    min_dp_efficiency: float = 0.8  # compute / (compute + gradient exchange), per replica
+    min_efficiency: float = 0.6  # estimated over ideal speed: the GPU-hours traded for speed
+    latency_s: float = 25e-6  # per collective or pipeline send (NCCL, small messages)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout the search considered: its shape, memory and estimated step time."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_seqs: int
+    sp: bool
+    recompute: str
+    memory: MemoryEstimate
+    step_seconds: float  # estimated time of one optimizer step
+    efficiency: float  # ideal step time (all GPUs at the assumed MFU) / estimated step time
+    dp_efficiency: float
 
     @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        extra = (" sp" if self.sp else "") + (
+            f" recompute={self.recompute}" if self.recompute != "none" else ""
+        )
+        return f"tp={self.tp} pp={self.pp} dp={self.dp} micro-batch {self.micro_batch_seqs}{extra}"
 
 
 @dataclass(frozen=True)
@@ -46,185 +71,107 @@ class Layout:
     nodes: int
     procs_per_node: int
     memory: MemoryEstimate
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | selective | full (Megatron's recompute_granularity)
+    efficiency: float = 1.0  # wall time = GPU-hours at the assumed MFU / gpus / efficiency
+    step_seconds: float = 0.0
+    runners_up: tuple[Candidate, ...] = ()
+    limit: str = ""  # why the run does not take more GPUs
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def stage_params(arch: ModelArch, params: int, *, pp: int) -> int:
-    """Parameters on the largest pipeline stage (before TP sharding).
-
-    Source: Megatron-Core GPTModel: the first stage holds the word (and learned position)
-    embeddings, the last the output layer (a tied copy of the word embeddings when pp > 1);
-    transformer layers are split evenly.
-    """
-    counts = param_count(arch)
-    positions = counts.breakdown["position_embeddings"]
-    words = counts.breakdown["word_embeddings"]
-    output = counts.breakdown["output_layer"]
-    body = params - counts.embedding  # layers + final norm (params may include vocab padding)
-    if pp == 1:
-        return params
-    first = body // pp + words + positions
-    last = body // pp + (output if output else words)
-    return max(first, last)
-
-
-def activation_bytes_per_layer(
-    arch: ModelArch, *, micro_batch_seqs: int, tp: int, act_bytes: int, flash_attention: bool
-) -> int:
-    """Activations one transformer layer keeps for backward, for one micro-batch.
-
-    Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-    Models", section 4 (tensor parallel, no sequence parallel): s b h (10 + 24/t) + 5 a s^2 b / t
-    bytes for 2-byte activations and a 4h FFN. Generalized here to an FFN width f, an attention
-    width heads x head_dim and ``act_bytes``-byte activations (dropout masks 1 byte). With flash
-    attention the a s^2 b score terms are not stored.
-    """
-    s, b, h = arch.seq_len, micro_batch_seqs, arch.d_model
-    d_attn, f, heads = arch.n_heads * arch.head_dim, arch.ffn_hidden, arch.n_heads
-    e = act_bytes
-    # replicated over TP: layernorm inputs (2), attention and FFN inputs, two dropout masks
-    replicated = 2 * e * s * b * h + 2 * e * s * b * h + 2 * s * b * h
-    # sharded over TP: Q, K, V, attention-output input; FFN hidden (gated FFN keeps 2f + f + f)
-    ffn_hidden_values = 4 * f if arch.activation == "swiglu" else 2 * f
-    sharded = 4 * e * s * b * d_attn + e * s * b * ffn_hidden_values
-    if not flash_attention:  # softmax output, its dropout mask and the dropout output
-        sharded += (2 * e + 1) * heads * s * s * b
-    return replicated + -(-sharded // tp)
-
-
-def output_activation_bytes(
-    arch: ModelArch, *, micro_batch_seqs: int, tp: int, act_bytes: int
-) -> int:
-    """Activations of the final norm, output layer and cross entropy (last pipeline stage).
-
-    Source: Korthikanti et al. 2022, section 4.3 (output layer and fp32 cross entropy
-    4 s b v / t); the final-norm and output-layer inputs add e s b h each.
-    """
-    s, b, h, v = arch.seq_len, micro_batch_seqs, arch.d_model, arch.vocab_size
-    return 2 * act_bytes * s * b * h + -(-(act_bytes + 4) * s * b * v // tp)
-
-
-def memory_per_gpu_bytes(
+def step_time(
     arch: ModelArch,
-    params: int,
+    net: Network,
     *,
+    flops_per_token: float,
+    batch_seqs: int,
     tp: int,
     pp: int,
     dp: int,
     micro_batch_seqs: int,
-    param_bytes: int = 2,
-    grad_bytes: int = 4,
-    distributed_optimizer: bool = True,
-    activation_recompute: bool = False,
-    flash_attention: bool = True,
-) -> MemoryEstimate:
-    """Memory per GPU of a Megatron-Core training job on its most loaded pipeline stage.
-
-    Sources: weights ``param_bytes`` (bf16: 2) and gradients ``grad_bytes`` per parameter
-    (Megatron's DDP keeps fp32 main grads for bf16), both sharded over TP and PP; Adam state
-    (fp32 master copy when the weights are not fp32, plus m and v: 12 or 8 bytes per parameter)
-    sharded over DP by the distributed optimizer (Rajbhandari et al. 2020, ZeRO-1; Megatron-LM
-    distributed optimizer docs). Activations per Korthikanti et al. 2022: the first stage of a
-    1F1B pipeline holds pp micro-batches in flight of n_layers/pp layers; the last stage holds
-    one plus the output layer; full recompute keeps only each layer's input plus one layer.
-    ``flash_attention=False`` for Megatron's local (unfused) attention, which stores the scores.
-    """
-    for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("micro_batch_seqs", micro_batch_seqs)):
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}")
-    if arch.n_layers % pp:
-        raise ValueError(f"pp={pp} must divide n_layers={arch.n_layers}: pick a divisor")
-    on_stage = -(-stage_params(arch, params, pp=pp) // tp)
-    weights = on_stage * param_bytes
-    grads = on_stage * grad_bytes
-    adam_bytes = 8 + (4 if param_bytes < 4 else 0)
-    optimizer = on_stage * adam_bytes
-    if distributed_optimizer:
-        optimizer = -(-optimizer // dp)
-
-    act_bytes = param_bytes
-    layer = activation_bytes_per_layer(
-        arch,
-        micro_batch_seqs=micro_batch_seqs,
-        tp=tp,
-        act_bytes=act_bytes,
-        flash_attention=flash_attention,
-    )
-    if activation_recompute:  # keep the layer inputs; one layer is rebuilt at a time
-        layer_input = act_bytes * arch.seq_len * micro_batch_seqs * arch.d_model
-        stored_per_layer, working = layer_input, layer
-    else:
-        stored_per_layer, working = layer, 0
-    layers_per_stage = arch.n_layers // pp
-    output = output_activation_bytes(
-        arch, micro_batch_seqs=micro_batch_seqs, tp=tp, act_bytes=act_bytes
-    )
-    first = pp * layers_per_stage * stored_per_layer + working
-    last = layers_per_stage * stored_per_layer + working + output
-    activations = max(first, last)  # pp == 1: one stage, first + output = last
-    return MemoryEstimate(
-        weights=weights, grads=grads, optimizer=optimizer, activations=activations
-    )
-
-
-def _data_parallel(
-    batch_seqs: int,
-    seq_len: int,
-    model_parallel: int,
-    *,
+    recompute: str,
+    params_on_rank: int,
     gpus_per_node: int,
-    max_gpus: int,
-    min_tokens_per_replica: int,
-) -> int:
-    """Largest DP that divides the batch, fills whole nodes and keeps enough tokens per replica.
+) -> tuple[float, float]:
+    """Seconds per optimizer step and the data-parallel efficiency of a layout.
 
-    Rule (this project): a replica's gradient all-reduce costs ~ its parameters while its compute
-    per step grows with the tokens it processes, so the ratio depends on tokens per replica alone;
-    at 400 Gb/s links and ~400 TFLOP/s achieved, 32k tokens keep the exchange near 10 % of a step.
-    Small models therefore do not spread over a whole cluster.
+    The throughput model of NeMo's auto-configurator, reduced to its terms: compute at the
+    assumed MFU, slowed by the 1F1B pipeline bubble (p - 1) / (m + p - 1) (Narayanan et al. 2021)
+    and by recomputation (full: one more forward, +1/3; selective: the core attention's forward
+    again); tensor-parallel all-reduces, 4 per layer and micro-batch of s b h bf16 values (6 with
+    full recompute; Korthikanti et al. 2022, section 3), 2 (t - 1) / t of them over the node's
+    links; pipeline sends of s b h values per micro-batch both ways; the distributed optimizer's
+    reduce-scatter of fp32 gradients and all-gather of bf16 weights, (dp - 1) / dp x 6 bytes per
+    parameter, over the nodes' links when the replicas span nodes; ``latency_s`` per collective
+    and send. Nothing overlaps (Megatron's communication overlap is off in training), so the
+    estimate errs slow. Data-parallel efficiency: the step without recompute's extra work over
+    the step plus the gradient exchange.
     """
-    best = 1
-    for dp in _divisors(batch_seqs):
-        gpus = model_parallel * dp
-        if gpus > max_gpus:
-            break
-        if gpus > gpus_per_node and gpus % gpus_per_node:
-            continue
-        if dp > 1 and batch_seqs // dp * seq_len < min_tokens_per_replica:
-            continue
-        best = dp
-    return best
+    gpus = tp * pp * dp
+    tokens = batch_seqs * arch.seq_len
+    ideal = flops_per_token * tokens / (gpus * net.peak_flops * net.mfu)
+    attn_flops = 12 * arch.n_layers * arch.seq_len * arch.n_heads * arch.head_dim
+    recompute_factor = {
+        "none": 1.0,
+        "selective": 1.0 + attn_flops / 3 / flops_per_token,
+        "full": 4.0 / 3.0,
+    }[recompute]
+    m = batch_seqs // dp // micro_batch_seqs
+    bubble = (pp - 1) / (m + pp - 1)
+    compute = ideal / (1.0 - bubble)
+    activation = arch.seq_len * micro_batch_seqs * arch.d_model * 2
+    intra, inter = net.tp_bandwidth_gbs * 1e9, net.dp_bandwidth_gbs * 1e9
+    tp_comm = 0.0
+    if tp > 1:
+        per_layer = 6 if recompute == "full" else 4
+        calls = m * arch.n_layers // pp * per_layer
+        tp_comm = calls * (2 * (tp - 1) / tp * activation / intra + net.latency_s)
+    pp_comm = 0.0
+    if pp > 1:
+        send = activation / tp / (inter if tp * pp > gpus_per_node else intra)
+        pp_comm = 2 * m * (send + net.latency_s)
+    dp_comm = 0.0
+    if dp > 1:
+        bandwidth = inter if gpus > gpus_per_node else intra
+        dp_comm = (dp - 1) / dp * 6 * params_on_rank / bandwidth + 2 * net.latency_s
+    busy = compute + tp_comm + pp_comm
+    extra = compute * (recompute_factor - 1.0)
+    return busy + extra + dp_comm, busy / (busy + dp_comm)
 
 
 def choose_layout(
     arch: ModelArch,
-    params: int,
     *,
     batch_seqs: int,
+    flops_per_token: float,
     gpus_per_node: int,
     gpu_mem_bytes: int,
     max_nodes: int,
-    gpus: int | None = None,
+    network: Network,
     mem_headroom: float = 0.85,
     max_micro_batch: int = 8,
-    min_tokens_per_replica: int = MIN_TOKENS_PER_REPLICA,
-    param_bytes: int = 2,
-    distributed_optimizer: bool = True,
-    activation_recompute: bool = False,
-    flash_attention: bool = True,
+    sequence_parallel: bool = True,
+    recompute: tuple[str, ...] = memory.RECOMPUTE,
+    runners_up: int = 4,
 ) -> Layout:
-    """The smallest model-parallel layout that fits, data parallel over a reasonable allocation.
+    """The fastest layout that fits: TP x PP x DP x micro-batch, sequence parallelism, recompute.
 
-    Source: Narayanan et al. 2021 (Megatron-LM, "Efficient Large-Scale Language Model Training"):
-    tensor parallel within a node before pipeline parallel across layers. Candidates: TP dividing
-    the heads, the GPUs per node and the vocabulary; PP dividing the layers; ordered by TP x PP,
-    then less PP. DP: ``gpus // (tp pp)`` when ``gpus`` is fixed, else the largest divisor of the
-    batch within ``max_nodes`` whole nodes that keeps ``min_tokens_per_replica`` tokens per
-    replica and step. Micro-batch: the largest divisor of the per-replica batch up to
-    ``max_micro_batch`` whose memory fits ``mem_headroom`` x ``gpu_mem_bytes``.
+    Source: NeMo's auto-configurator (NeMo Framework docs, "Auto Configurator"), which searches
+    this space for throughput. Candidates: TP dividing the heads, the vocabulary and the GPUs of a
+    node (TP stays inside a node: Narayanan et al. 2021); PP dividing the layers; DP dividing the
+    batch; whole nodes once a job spans more than one; at most ``max_nodes`` x ``gpus_per_node``
+    GPUs; micro-batches dividing the per-replica batch up to ``max_micro_batch``; sequence
+    parallelism with TP > 1 when ``sequence_parallel`` (it needs TransformerEngine's layers; it
+    is then always on: less memory at the same communication volume, Korthikanti et al. 2022);
+    recompute in the order of ``recompute`` (none, selective, full: each slower and leaner), the
+    first that fits kept.
+    A candidate must fit ``mem_headroom`` x ``gpu_mem_bytes`` (``collapse.memory``) and keep the
+    data-parallel efficiency at ``network.min_dp_efficiency`` or above; the fastest by
+    :func:`step_time` wins, fewer GPUs then less model parallelism breaking ties.
     """
     for name, value in (
         ("batch_seqs", batch_seqs),
@@ -235,96 +182,178 @@ def choose_layout(
     ):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
-    if gpus is not None and gpus < 1:
-        raise ValueError(f"gpus must be a positive integer or None, got {gpus}")
     if not 0 < mem_headroom <= 1:
         raise ValueError(f"mem_headroom must be in (0, 1], got {mem_headroom}")
-    max_gpus = gpus if gpus is not None else max_nodes * gpus_per_node
+    max_gpus = max_nodes * gpus_per_node
     usable = int(mem_headroom * gpu_mem_bytes)
-    candidates = sorted(
-        (
-            (tp, pp)
-            for tp in _divisors(gpus_per_node)
-            if arch.n_heads % tp == 0 and arch.vocab_size % tp == 0
-            for pp in _divisors(arch.n_layers)
-            if tp * pp <= max_gpus
-        ),
-        key=lambda c: (c[0] * c[1], c[1]),
-    )
-    smallest_need: tuple[int, str] | None = None
-    for tp, pp in candidates:
-        if gpus is not None:
-            if gpus % (tp * pp) or batch_seqs % (gpus // (tp * pp)):
-                continue
-            dp = gpus // (tp * pp)
-        else:
-            dp = _data_parallel(
-                batch_seqs,
-                arch.seq_len,
-                tp * pp,
-                gpus_per_node=gpus_per_node,
-                max_gpus=max_gpus,
-                min_tokens_per_replica=min_tokens_per_replica,
-            )
-        total_gpus = tp * pp * dp
-        if total_gpus > gpus_per_node and total_gpus % gpus_per_node:
-            continue
-        per_replica = batch_seqs // dp
-        for micro in sorted(
-            (m for m in _divisors(per_replica) if m <= max_micro_batch), reverse=True
-        ):
-            memory = memory_per_gpu_bytes(
-                arch,
-                params,
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                micro_batch_seqs=micro,
-                param_bytes=param_bytes,
-                distributed_optimizer=distributed_optimizer,
-                activation_recompute=activation_recompute,
-                flash_attention=flash_attention,
-            )
-            if memory.total <= usable:
-                nodes = max(1, total_gpus // gpus_per_node)
-                return Layout(
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
-                    micro_batch_seqs=micro,
-                    grad_accum=per_replica // micro,
-                    gpus=total_gpus,
-                    nodes=nodes,
-                    procs_per_node=min(total_gpus, gpus_per_node),
-                    memory=memory,
-                )
-            if micro == 1 and (smallest_need is None or memory.total < smallest_need[0]):
-                smallest_need = (memory.total, f"tp={tp} pp={pp} dp={dp} micro-batch 1")
+    fits: list[Candidate] = []
+    closest: Candidate | None = None  # least memory of all that do not fit
+    slow_dp: Candidate | None = None  # the fastest of those under the DP efficiency floor
+    tps = [
+        t for t in _divisors(gpus_per_node) if arch.n_heads % t == 0 and arch.vocab_size % t == 0
+    ]
+    for tp in tps:
+        for pp in _divisors(arch.n_layers):
+            on_rank = memory.max_rank_params(arch, tp=tp, pp=pp)
+            for dp in _divisors(batch_seqs):
+                gpus = tp * pp * dp
+                if gpus > max_gpus:
+                    break
+                if gpus > gpus_per_node and gpus % gpus_per_node:
+                    continue
+                per_replica = batch_seqs // dp
+                for micro in (m for m in _divisors(per_replica) if m <= max_micro_batch):
+                    for sp in (tp > 1 and sequence_parallel,):
+                        for rc in recompute:
+                            mem = memory.estimate(
+                                arch,
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                micro_batch_seqs=micro,
+                                grad_accum=per_replica // micro,
+                                sp=sp,
+                                recompute=rc,
+                            )
+                            seconds, dp_eff = step_time(
+                                arch,
+                                network,
+                                flops_per_token=flops_per_token,
+                                batch_seqs=batch_seqs,
+                                tp=tp,
+                                pp=pp,
+                                dp=dp,
+                                micro_batch_seqs=micro,
+                                recompute=rc,
+                                params_on_rank=on_rank,
+                                gpus_per_node=gpus_per_node,
+                            )
+                            ideal = (
+                                flops_per_token
+                                * batch_seqs
+                                * arch.seq_len
+                                / (gpus * network.peak_flops * network.mfu)
+                            )
+                            cand = Candidate(
+                                tp, pp, dp, micro, sp, rc, mem, seconds, ideal / seconds, dp_eff
+                            )
+                            if mem.total > usable:
+                                if closest is None or mem.total < closest.memory.total:
+                                    closest = cand
+                            elif (
+                                dp_eff < network.min_dp_efficiency
+                                or cand.efficiency < network.min_efficiency
+                            ):
+                                if slow_dp is None or seconds < slow_dp.step_seconds:
+                                    slow_dp = cand
+                            else:
+                                fits.append(cand)
+                            if mem.total <= usable:
+                                break  # more recompute: slower, never more efficient
     size = (
-        f"a {params / 1e9:.2f}B-parameter model (d_model {arch.d_model}, {arch.n_layers} layers, "
-        f"{arch.n_heads} heads, seq {arch.seq_len}) with a batch of {batch_seqs} sequences"
+        f"d_model {arch.d_model}, {arch.n_layers} layers, {arch.n_heads} heads, seq "
+        f"{arch.seq_len}, batch {batch_seqs} sequences"
     )
-    where = f"{max_gpus} GPUs" + ("" if gpus is not None else f" ({max_nodes} nodes)")
-    if smallest_need is None:
-        raise LayoutError(
-            f"no layout of {size} on {where}: no TP dividing {arch.n_heads} heads and "
-            f"{gpus_per_node} GPUs per node with PP dividing {arch.n_layers} layers splits the "
-            f"batch evenly{'' if gpus is None else f' over exactly {gpus} GPUs'}; fix: choose a "
-            "GPU count that is a multiple of the model-parallel size and divides the batch, or a "
-            "batch divisible by more GPUs"
+    where = f"{max_gpus} GPUs ({max_nodes} nodes of {gpus_per_node})"
+    if not fits:
+        if closest is None and slow_dp is None:
+            raise LayoutError(
+                f"no layout of {size} on {where}: no TP dividing {arch.n_heads} heads and "
+                f"{gpus_per_node} GPUs per node with PP dividing {arch.n_layers} layers splits "
+                "the batch over whole nodes; fix: a batch divisible by more GPUs"
+            )
+        if slow_dp is not None:
+            raise LayoutError(
+                f"no layout of {size} on {where} keeps data-parallel efficiency at "
+                f"min_dp_efficiency={network.min_dp_efficiency:g} and its efficiency at "
+                f"min_efficiency={network.min_efficiency:g}: the closest, {slow_dp.describe()}, "
+                f"reaches {slow_dp.dp_efficiency:.0%} and {slow_dp.efficiency:.0%}; fix: lower "
+                "them in the cluster config, or a larger batch"
+            )
+        assert closest is not None
+        largest = max(
+            (t * p for t in tps for p in _divisors(arch.n_layers) if t * p <= max_gpus),
+            default=1,
         )
-    need, at = smallest_need
-    raise LayoutError(
-        f"{size} does not fit on {where}: at best it needs {need / GIB:.1f} GiB per GPU ({at}) "
-        f"against {usable / GIB:.1f} GiB usable ({mem_headroom:.0%} of "
-        f"{gpu_mem_bytes / GIB:.0f} GiB); fix: GPUs with more memory, a shorter sequence, "
-        "activation recompute (activation_recompute=True), or more nodes (max_nodes)"
+        at_largest = closest.tp * closest.pp == largest
+        raise LayoutError(
+            f"{size} does not fit on {where}: the closest layout, {closest.describe()}, needs "
+            f"{closest.memory.total / GIB:.1f} GiB per GPU ({closest.memory.describe()}) against "
+            f"{usable / GIB:.1f} GiB usable ({mem_headroom:.0%} of {gpu_mem_bytes / GIB:.0f} GiB)"
+            + (
+                f"; it exceeds the GPU even at the largest TP x PP the GPUs allow "
+                f"({closest.tp} x {closest.pp}), with micro-batch 1 and every recompute choice"
+                if at_largest
+                else ""
+            )
+            + "; fix: GPUs with more memory, a shorter sequence, or more nodes (max_nodes)"
+        )
+    fits.sort(key=lambda c: (c.step_seconds, c.gpus, c.tp * c.pp, c.pp, c.memory.total))
+    best = fits[0]
+    return Layout(
+        tp=best.tp,
+        pp=best.pp,
+        dp=best.dp,
+        micro_batch_seqs=best.micro_batch_seqs,
+        grad_accum=batch_seqs // best.dp // best.micro_batch_seqs,
+        gpus=best.gpus,
+        nodes=max(1, best.gpus // gpus_per_node),
+        procs_per_node=min(best.gpus, gpus_per_node),
+        memory=best.memory,
+        sequence_parallel=best.sp,
+        recompute=best.recompute,
+        efficiency=best.efficiency,
+        step_seconds=best.step_seconds,
+        runners_up=_runners_up(fits, runners_up),
+        limit=_limit(best, fits, slow_dp, closest, max_gpus),
     )
+
+
+def _runners_up(fits: list[Candidate], n: int) -> tuple[Candidate, ...]:
+    """The next fastest candidates of distinct shape (TP, PP, DP), best first."""
+    seen, out = set(), []
+    for c in fits:
+        shape = (c.tp, c.pp, c.dp)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        out.append(c)
+        if len(out) > n:
+            break
+    return tuple(out[1:])
+
+
+def _limit(
+    best: Candidate,
+    fits: list[Candidate],
+    slow_dp: Candidate | None,
+    closest: Candidate | None,
+    max_gpus: int,
+) -> str:
+    """Why the chosen layout does not use more GPUs, in a sentence."""
+    if best.gpus == max_gpus:
+        return f"the GPU cap ({max_gpus})"
+    more = [c for c in fits if c.gpus > best.gpus]
+    if more:
+        faster_more = min(more, key=lambda c: c.step_seconds)
+        return (
+            f"more GPUs are slower: the fastest on more, {faster_more.describe()} "
+            f"({faster_more.gpus} GPUs), takes {faster_more.step_seconds:.3g} s per step against "
+            f"{best.step_seconds:.3g} s"
+        )
+    if slow_dp is not None and slow_dp.gpus > best.gpus:
+        return (
+            f"efficiency: on more GPUs ({slow_dp.describe()}) it falls to "
+            f"{slow_dp.efficiency:.0%} (data-parallel {slow_dp.dp_efficiency:.0%}), under the "
+            "cluster's floors"
+        )
+    if closest is not None and closest.gpus > best.gpus:
+        return "memory: no layout on more GPUs fits"
+    return "the batch: no split of it fills more whole nodes"
 
 
 def cpu_layout(
     arch: ModelArch,
-    params: int,
     *,
     batch_seqs: int,
     procs: int = 1,
@@ -332,8 +361,9 @@ def cpu_layout(
 ) -> Layout:
     """Layout on the CPU cluster: one gloo process per data-parallel rank, no TP or PP.
 
-    Source: FINDINGS.md (TP/PP bring no speed on 2 cores). fp32 weights and activations, local
-    (unfused) attention, no distributed optimizer; micro-batch is the largest divisor of the
+    Source: FINDINGS.md (TP/PP bring no speed on 2 cores). fp32 weights and activations, SDPA
+    attention (its fused CPU kernel, or the math path that stores scores with ALiBi's float
+    bias), no distributed optimizer; micro-batch is the largest divisor of the
     per-process batch up to ``max_micro_batch``.
     """
     if procs < 1:
@@ -347,17 +377,16 @@ def cpu_layout(
         )
     per_proc = batch_seqs // procs
     micro = max(m for m in _divisors(per_proc) if m <= max_micro_batch)
-    memory = memory_per_gpu_bytes(
+    mem = memory.estimate(
         arch,
-        params,
         tp=1,
         pp=1,
         dp=procs,
         micro_batch_seqs=micro,
-        param_bytes=4,
-        grad_bytes=4,
+        grad_accum=per_proc // micro,
+        precision=memory.CPU_FP32,
         distributed_optimizer=False,
-        flash_attention=False,
+        attention=memory.cpu_attention(arch),
     )
     return Layout(
         tp=1,
@@ -368,7 +397,7 @@ def cpu_layout(
         gpus=0,
         nodes=1,
         procs_per_node=procs,
-        memory=memory,
+        memory=mem,
     )
 
 
@@ -381,8 +410,13 @@ def gpu_hours(flops: float, peak_flops_per_gpu: float, mfu: float) -> float:
     return flops / (peak_flops_per_gpu * mfu) / 3600.0
 
 
-def wall_time_hours(flops: float, gpus: int, peak_flops_per_gpu: float, mfu: float) -> float:
-    """Wall-clock hours on ``gpus`` GPUs at the assumed MFU: GPU-hours / gpus."""
+def wall_time_hours(
+    flops: float, gpus: int, peak_flops_per_gpu: float, mfu: float, efficiency: float = 1.0
+) -> float:
+    """Wall-clock hours on ``gpus`` GPUs at the assumed MFU: GPU-hours / gpus, divided by the
+    layout's efficiency (its ideal step time over its estimated one, :func:`step_time`)."""
     if gpus < 1:
         raise ValueError(f"gpus must be a positive integer, got {gpus}")
-    return gpu_hours(flops, peak_flops_per_gpu, mfu) / gpus
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    return gpu_hours(flops, peak_flops_per_gpu, mfu) / gpus / efficiency

@@ -17,6 +17,7 @@ says whether it is a reference, monitored or stopped early. ``write_plan`` write
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -121,6 +122,11 @@ def evaluation_warnings(family) -> list[str]:
         "tokenizer.json, and data.eod_token to its end-of-document token"
     ]
 
+    def report_layouts(self) -> str:
+        """Markdown: each size's layout and its runners-up, with step time, wall time and
+        memory (GPU clusters; empty on the CPU)."""
+        return layouts_markdown(self)
+
 
 # A run the local cluster would train for longer than this is worth a word before it starts.
 CPU_WALL_HOURS_WARN = 24.0
@@ -224,6 +230,11 @@ class ModelPlan:
     @cached_property
     def count(self) -> scaling.ParamCount:
         return scaling.param_count(self.arch)
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, Table 9 accounting (what the layout's step time runs)."""
+        return flops_rules.flops_table9(self.arch, self.count.total, 1)
 
     @property
     def tpp_params(self) -> int:
@@ -423,22 +434,38 @@ class ResourcePlan(ABC):
 
 
 class GpuResources(ResourcePlan):
-    """A GPU cluster: the layout search over TP x PP x DP within the GPU's memory."""
+    """A GPU cluster: the fastest layout over TP x PP x DP x micro-batch, SP and recompute."""
 
     def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
+        try:
+            return self._search(model, batch_seqs)
+        except parallel.LayoutError as err:
+            raise parallel.LayoutError(f"size {model.size.name}: {err}") from None
+
+    def _search(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
         c = self.cluster
-        return parallel.choose_layout(
+        return _gpu_layout(
             model.arch,
-            model.count.total,
-            batch_seqs=batch_seqs,
-            gpus_per_node=c.gpus_per_node,
-            gpu_mem_bytes=int(c.gpu_mem_gb * 2**30),
-            max_nodes=c.max_nodes,
-            max_micro_batch=self.training.max_micro_batch_seqs,
+            batch_seqs,
+            model.flops_per_token,
+            c.gpus_per_node,
+            int(c.gpu_mem_gb * 2**30),
+            c.max_nodes,
+            parallel.Network(
+                peak_flops=c.peak_flops,
+                mfu=c.mfu,
+                tp_bandwidth_gbs=c.tp_bandwidth_gbs,
+                dp_bandwidth_gbs=c.dp_bandwidth_gbs,
+                min_dp_efficiency=c.min_dp_efficiency,
+                min_efficiency=c.min_efficiency,
+            ),
+            self.training.max_micro_batch_seqs,
+            c.transformer_engine,
         )
 
     def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
-        return parallel.wall_time_hours(flops, lay.gpus, self.cluster.peak_flops, self.cluster.mfu)
+        c = self.cluster
+        return parallel.wall_time_hours(flops, lay.gpus, c.peak_flops, c.mfu, lay.efficiency)
 
     def gpu_hours(self, flops: float) -> float:
         return parallel.gpu_hours(flops, self.cluster.peak_flops, self.cluster.mfu)
@@ -453,13 +480,38 @@ class GpuResources(ResourcePlan):
         return lay.procs_per_node
 
 
+@functools.lru_cache(maxsize=256)
+def _gpu_layout(
+    arch: ModelArch,
+    batch_seqs: int,
+    flops_per_token: float,
+    gpus_per_node: int,
+    gpu_mem_bytes: int,
+    max_nodes: int,
+    network: parallel.Network,
+    max_micro_batch: int,
+    transformer_engine: bool,
+) -> parallel.Layout:
+    """The layout search, once per size and batch (every TPP band and seed shares it)."""
+    return parallel.choose_layout(
+        arch,
+        batch_seqs=batch_seqs,
+        flops_per_token=flops_per_token,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_bytes=gpu_mem_bytes,
+        max_nodes=max_nodes,
+        network=network,
+        max_micro_batch=max_micro_batch,
+        sequence_parallel=transformer_engine,
+    )
+
+
 class CpuResources(ResourcePlan):
     """The CPU cluster: data parallel over the run's gloo processes, the machine's memory."""
 
     def layout(self, model: ModelPlan, batch_seqs: int) -> parallel.Layout:
         return parallel.cpu_layout(
             model.arch,
-            model.count.total,
             batch_seqs=batch_seqs,
             procs=self.cluster.procs_per_run,
             max_micro_batch=self.training.max_micro_batch_seqs,
@@ -894,6 +946,8 @@ def plan_report_markdown(plan: Plan) -> str:
         "![tokens, FLOPs and GPU-hours by size](plan.png)",
         "",
     ]
+    if layouts := layouts_markdown(plan):
+        lines += [layouts]
     if warnings := plan.warnings():
         lines += ["## Warnings", "", *(f"- {w}" for w in warnings), ""]
     if cl.executor == "slurm":
@@ -910,6 +964,59 @@ def plan_report_markdown(plan: Plan) -> str:
             *(f"| {r.run} | `{sbatch_request(r)}` |" for r in plan.runs),
             "",
         ]
+    return "\n".join(lines)
+
+
+def layouts_markdown(plan: Plan) -> str:
+    """The layout search's result per size: the chosen layout first, then the runners-up, each
+    with its GPUs, memory per GPU, step time and the full-length wall time of the size's longest
+    band; a size on fewer GPUs than a smaller one says why."""
+    cl = plan.config.cluster
+    if cl.accelerator != "gpu":
+        return ""
+    resources = ResourcePlan.of(cl, plan.config.family.training)
+    family = plan.config.family
+    t = plan.table[plan.table.same_as == ""]
+    lines = [
+        "## Layouts",
+        "",
+        "The fastest layout that fits each size (`collapse.parallel.choose_layout`), then the",
+        "runners-up. Wall time: the size's longest run at full length. Memory: the estimate of",
+        f"`collapse.memory`, against {cl.gpu_mem_gb:g} GB per GPU (85 % usable). Efficiency",
+        f"floors: data-parallel {cl.min_dp_efficiency:.0%}, overall {cl.min_efficiency:.0%}.",
+        "",
+        "| size | layout | GPUs | memory/GPU (GiB) | step (s) | wall (h) | efficiency |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes, most_gpus = [], (0, "")
+    for size in sorted(family.sizes, key=lambda z: ModelPlan(family, z).count.total):
+        rows = t[t["size"] == size.name]
+        if rows.empty:
+            continue
+        longest = rows.loc[rows.tokens.idxmax()]
+        steps = int(longest.steps)
+        lay = resources.layout(ModelPlan(family, size), int(longest.batch_seqs))
+        chosen = parallel.Candidate(
+            lay.tp, lay.pp, lay.dp, lay.micro_batch_seqs, lay.sequence_parallel, lay.recompute,
+            lay.memory, lay.step_seconds, lay.efficiency, 1.0,
+        )  # fmt: skip
+        for i, c in enumerate((chosen, *lay.runners_up)):
+            lines.append(
+                f"| {size.name if i == 0 else ''} | {'**' if i == 0 else ''}{c.describe()}"
+                f"{'**' if i == 0 else ''} | {c.gpus} | {c.memory.total / 2**30:.1f} | "
+                f"{c.step_seconds:.3g} | {steps * c.step_seconds / 3600:.3g} | "
+                f"{c.efficiency:.0%} |"
+            )
+        if lay.gpus < most_gpus[0]:
+            notes.append(
+                f"{size.name} runs on fewer GPUs than a smaller size ({most_gpus[1]}, "
+                f"{most_gpus[0]}): {lay.limit}"
+            )
+        most_gpus = max(most_gpus, (lay.gpus, size.name))
+    lines.append("")
+    if notes:
+        lines += ["Why a size has fewer GPUs than a smaller size:", ""]
+        lines += [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
 
 

@@ -95,6 +95,10 @@ class Parallelism(_Strict):
     gpus: int  # 0 on the CPU cluster: one gloo process per tp*pp*dp rank
     nodes: int
     procs_per_node: int
+    # Megatron's TransformerConfig: sequence_parallel, and recompute_granularity (selective:
+    # the core attention; full: every layer, recompute_method uniform, one layer per checkpoint)
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
 
 
 class Resources(_Strict):
