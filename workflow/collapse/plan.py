@@ -110,6 +110,11 @@ class Plan:
             + evaluation_warnings(self.config.family)
         )
 
+    def report_layouts(self) -> str:
+        """Markdown: each size's layout and its runners-up, with step time, wall time and
+        memory (GPU clusters; empty on the CPU)."""
+        return layouts_markdown(self)
+
 
 def evaluation_warnings(family) -> list[str]:
     """A blend of the user's datasets without its tokenizer: evaluation cannot score tasks."""
@@ -121,11 +126,6 @@ def evaluation_warnings(family) -> list[str]:
         "tasks need the tokenizer your datasets were made with). Fix: set data.tokenizer to its "
         "tokenizer.json, and data.eod_token to its end-of-document token"
     ]
-
-    def report_layouts(self) -> str:
-        """Markdown: each size's layout and its runners-up, with step time, wall time and
-        memory (GPU clusters; empty on the CPU)."""
-        return layouts_markdown(self)
 
 
 # A run the local cluster would train for longer than this is worth a word before it starts.
