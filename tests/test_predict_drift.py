@@ -174,3 +174,41 @@ def test_cli_without_a_size_number_skips_the_drift_method(tmp_path, capsys):
     assert run_cli([*argv, "--out", str(out)]) == 0
     assert "no drift method" in capsys.readouterr().err
     assert DRIFT_METHOD not in set(pd.read_csv(out / "predictions.csv")["method"])
+
+
+def test_bias_does_not_grow_with_size_over_noise_draws():
+    """Known L0 1.2 and a known exponent drift of -0.02 per unit log parameters, 1 % step noise.
+
+    One draw's bias is a line in size even for an unbiased method: the draw's error in the
+    fitted L0 shifts every predicted size the same way. Over eight independent draws the drift
+    method's mean slope stays within two standard errors of 0, while the paper's method, which
+    ignores the drift, has a slope many standard errors away from 0 in the same test.
+    """
+    slopes = {"collapse": [], DRIFT_METHOD: []}
+    for draw in range(8):
+        frame = synthetic_family(
+            FINALS,
+            seeds=3,
+            steps=1000,
+            noise_rel=0.01,
+            wiggle_rel=0.0,
+            seed_spread_rel=0.0,
+            offset=1.2,
+            n_params=N_PARAMS,
+            exponent_slope=-0.02,
+            rng_seed=draw,
+        )
+        curves = smooth(curves_from_frame(frame))
+        reference, reference_runs = reference_from_sizes(curves, REFERENCE)
+        drift = drift_from_sizes(curves, reference_runs)
+        targets = [r for r in curves.runs if r not in set(reference_runs)]
+        table = predict_runs(curves, reference, (0.1, 0.3), runs=targets, drift=drift)
+        fit = bias_slope(bias_by_size(table, curves.meta, drift)).set_index(["method", "fraction"])
+        for method, values in slopes.items():
+            values.append(fit.loc[(method, 0.3), "slope_pct_per_unit_x"])
+    for method, values in slopes.items():
+        mean, se = np.mean(values), np.std(values, ddof=1) / np.sqrt(len(values))
+        if method == DRIFT_METHOD:
+            assert abs(mean) < 2 * se, (mean, se, values)
+        else:
+            assert mean < -10 * se, (mean, se, values)
