@@ -22,6 +22,7 @@ from collapse.predict import (
     bias_by_size,
     bias_slope,
     drift_from_sizes,
+    drift_slope_fit_se,
     predict_runs,
     reference_from_sizes,
 )
@@ -182,9 +183,11 @@ def test_bias_does_not_grow_with_size_over_noise_draws():
     One draw's bias is a line in size even for an unbiased method: the draw's error in the
     fitted L0 shifts every predicted size the same way. Over eight independent draws the drift
     method's mean slope stays within two standard errors of 0, while the paper's method, which
-    ignores the drift, has a slope many standard errors away from 0 in the same test.
+    ignores the drift, has a slope many standard errors away from 0 in the same test. The
+    jackknife error of one draw's slope (drift_slope_fit_se) is checked against the spread of
+    the slope over the draws, which it estimates from one draw's reference runs alone.
     """
-    slopes = {"collapse": [], DRIFT_METHOD: []}
+    slopes, jackknife = {"collapse": [], DRIFT_METHOD: []}, []
     for draw in range(8):
         frame = synthetic_family(
             FINALS,
@@ -206,6 +209,9 @@ def test_bias_does_not_grow_with_size_over_noise_draws():
         fit = bias_slope(bias_by_size(table, curves.meta, drift)).set_index(["method", "fraction"])
         for method, values in slopes.items():
             values.append(fit.loc[(method, 0.3), "slope_pct_per_unit_x"])
+        jackknife.append(drift_slope_fit_se(table, curves, drift)[0.3])
+    spread = np.std(slopes[DRIFT_METHOD], ddof=1)
+    assert 0.5 * spread < np.median(jackknife) < 2 * spread, (spread, jackknife)
     for method, values in slopes.items():
         mean, se = np.mean(values), np.std(values, ddof=1) / np.sqrt(len(values))
         if method == DRIFT_METHOD:
