@@ -8,6 +8,8 @@ with or against hand arithmetic and scipy.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -158,6 +160,13 @@ def test_cli_prints_the_fit_and_the_bias_by_size(tmp_path, capsys):
     assert run_cli([*argv, "--reference-sizes", "s1,s2"]) == 0
     out = capsys.readouterr().out
     assert "offset L0 = 1.5" in out and "bias by size" in out
+    assert "jackknife standard error" in out
+    fit = json.loads((tmp_path / "out" / "drift.json").read_text())
+    replicas = np.array(fit["jackknife_offset_L0"])
+    n = len(replicas)
+    assert fit["offset_L0_jackknife_se"] == pytest.approx(
+        np.sqrt((n - 1) / n * np.sum((replicas - replicas.mean()) ** 2))
+    )
     by_size = pd.read_csv(tmp_path / "out" / "bias_by_size.csv")
     drift_rows = by_size[by_size["method"] == DRIFT_METHOD]
     assert list(drift_rows["size"]) == ["s3", "s4", "s5"]

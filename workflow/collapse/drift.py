@@ -79,6 +79,15 @@ class DriftFit:
     notes: list[str] = field(default_factory=list)
     replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
 
+    @property
+    def offset_se(self) -> float:
+        """Jackknife standard error of L0 over the replicas (NaN with fewer than two)."""
+        values = np.array([r.offset for r in self.replicas])
+        if len(values) < 2:
+            return float("nan")
+        n = len(values)
+        return float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+
     def exponent(self, x: float) -> float:
         """a at size coordinate x under the continued-drift hypothesis."""
         return 1.0 + self.slope * (float(x) - self.x_ref)
@@ -100,6 +109,7 @@ class DriftFit:
             "relative_spread_without_offset": self.spread_without_offset,
             "relative_spread_with_offset": self.spread_with_offset,
             "jackknife_offset_L0": [r.offset for r in self.replicas],
+            "offset_L0_jackknife_se": self.offset_se,
             "jackknife_exponent_slope": [r.slope for r in self.replicas],
             "notes": list(self.notes),
         }

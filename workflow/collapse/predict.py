@@ -593,7 +593,8 @@ def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | No
     drift = drift_from_sizes(curves, reference_runs)
     print(
         f"drift fitted on sizes {', '.join(drift.sizes)}: offset L0 = {drift.offset:.5g} "
-        f"nats/token, shape exponent a = 1 + {drift.slope:.4g} (x - {drift.x_ref:.4g}), "
+        f"nats/token (jackknife standard error {drift.offset_se:.2g}), shape exponent "
+        f"a = 1 + {drift.slope:.4g} (x - {drift.x_ref:.4g}), "
         f"x = {drift.coordinate}; relative spread of the reference sizes' log ell "
         f"{drift.spread_without_offset:.3g} without L0, {drift.spread_with_offset:.3g} with it"
     )
