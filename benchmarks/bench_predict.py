@@ -20,19 +20,25 @@ size whose final losses differ by 1-3 %): "offset" collapses after subtracting L
 CURVES: any file `collapse predict` reads, with a size (or params) column; Qiu et al.'s
 published µP-transformer curves convert with benchmarks/published_curves.py. Prints only.
 
+With --realizations N each synthetic family is drawn N times (noise seeds 0..N-1) and the
+drift method's mean bias slope over the draws is printed with its standard error: one draw's
+slope also carries that draw's error in the fitted L0, which every predicted size shares (the
+column slope_t_fit counts it through the fit's jackknife error).
+
 Measured (2 CPU cores, 2026-12-07; c5m and chess from published_curves.py, d768+d896 the
 reference; tiny_spike from benchmarks/data, d48+d64 the reference, a CPU family that does not
 collapse), mean absolute error (%) of the final loss at 10 / 20 / 30 % of training:
     family              collapse            drift               best baseline (powerlaw)
-    synthetic offset    1.37 1.32 1.23      0.51 0.49 0.47      10.2 8.55 4.96
-    synthetic exponent  1.00 0.96 0.92      1.02 0.98 0.93      20.5 17.3 10.3
-    synthetic both      1.49 1.43 1.34      0.58 0.56 0.53      12.0 10.1 5.88
-    c5m                 1.09 0.51 0.35      0.09 0.03 0.01      0.49 0.17 0.11
-    chess               2.98 1.89 1.47      0.15 0.16 0.15      1.12 0.45 0.28
-    tiny_spike          7.36 9.38 11.2      10.6 4.42 6.98      31.5 32.4 20.6
-Bias slope against log parameters, drift: none on c5m (|t| < 1.2); still growing on chess
-(+0.3 %/unit, t 4-8), on the synthetic families (two adjacent reference sizes under seed noise
-under-estimate L0: 1.1 for 1.5) and on tiny_spike at 10 %.
+    synthetic offset    1.37 1.32 1.23      0.25 0.24 0.23      10.2 8.55 4.96
+    synthetic exponent  1.00 0.96 0.92      0.51 0.49 0.48      20.5 17.3 10.3
+    synthetic both      1.49 1.43 1.34      0.27 0.26 0.26      12.0 10.1 5.88
+    c5m                 1.09 0.51 0.35      0.10 0.03 0.01      0.49 0.17 0.11
+    chess               2.98 1.89 1.47      0.22 0.08 0.06      1.12 0.45 0.28
+    tiny_spike          7.36 9.38 11.2      7.02 4.90 7.63      31.5 32.4 20.6
+Bias slope of drift against log parameters: |t| < 0.6 on c5m; chess +0.10-0.12 %/unit (t 1.7-3.7
+over sizes, 0.5-0.7 with the fit's jackknife error, L0 0.552 +- 0.018 against Qiu et al.'s
+0.542); tiny_spike -15 %/unit at 10 % (t -10, -2.3 with the fit's error). docs/experiments.md
+has the figures over noise draws.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from collapse.predict import (
     bias_by_size,
     bias_slope,
     drift_from_sizes,
+    drift_slope_fit_se,
     predict_runs,
     reference_from_sizes,
 )
@@ -93,7 +100,8 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
     )
     done = table.dropna(subset=["true_final_loss"])
     by_size = bias_by_size(done, curves.meta, drift)
-    slopes = bias_slope(by_size).set_index(["method", "fraction"])
+    fit_se = drift_slope_fit_se(done, curves, drift)
+    slopes = bias_slope(by_size, fit_se).set_index(["method", "fraction"])
     inside = (done["lower"] <= done["true_final_loss"]) & (done["true_final_loss"] <= done["upper"])
     sweeps = done.assign(sweep=done["run"].map(size_labels(curves.meta)))
     metrics = sweep_metrics(sweeps, truth_from_predictions(sweeps))
@@ -111,6 +119,7 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
                 "bias_largest_pct": sizes["bias_pct"].iloc[-1],
                 "bias_slope_pct": slopes.loc[(method, fraction), "slope_pct_per_unit_x"],
                 "slope_t": slopes.loc[(method, fraction), "t"],
+                "slope_t_fit": slopes.loc[(method, fraction), "t_with_fit"],
                 "inside_bounds_pct": 100 * inside[group.index].mean(),
                 "regret_nats": picked["regret_loss"].mean(),
                 "found_best_pct": 100 * picked["found_best"].astype(float).mean(),
@@ -127,11 +136,35 @@ def verdict(results: pd.DataFrame) -> str:
         ours, best = by.loc["drift"], by.loc[["current", "powerlaw"], "mae_pct"].min()
         error_ok = "ok" if ours["mae_pct"] <= best else "WORSE"
         slope_ok = "ok" if abs(ours["slope_t"]) <= 2 else "GROWS WITH SIZE"
+        fit_ok = "ok" if abs(ours["slope_t_fit"]) <= 2 else "GROWS WITH SIZE"
         lines.append(
             f"{family} {trained:>2d} %: drift MAE {ours['mae_pct']:.3f} vs best baseline "
-            f"{best:.3f} -> {error_ok}; bias slope t {ours['slope_t']:+.1f} -> {slope_ok}; "
+            f"{best:.3f} -> {error_ok}; bias slope t {ours['slope_t']:+.1f} -> {slope_ok}, "
+            f"with the fit's uncertainty {ours['slope_t_fit']:+.1f} -> {fit_ok}; "
             f"regret {ours['regret_nats']:.4f} nats "
             f"(collapse {by.loc['collapse', 'regret_nats']:.4f})"
+        )
+    return "\n".join(lines)
+
+
+def over_draws(draws: pd.DataFrame) -> str:
+    """The drift method over noise draws of each synthetic family: mean MAE and bias slope.
+
+    A bias that grows with size is systematic when the slope's mean over draws differs from 0
+    by more than twice its standard error; one draw's slope also carries that draw's error in
+    the fitted L0, which the reference's seed noise sets.
+    """
+    ours = draws[draws["method"] == "drift"]
+    lines = []
+    for (family, trained), group in ours.groupby(["family", "trained_pct"], sort=False):
+        slope = group["bias_slope_pct"]
+        se = slope.std(ddof=1) / np.sqrt(len(slope))
+        lines.append(
+            f"{family} {trained:>2d} % over {len(group)} draws: drift MAE "
+            f"{group['mae_pct'].mean():.3f} %, bias slope {slope.mean():+.3f} +- {se:.3f} "
+            f"%/unit (t {slope.mean() / se:+.1f}), draws with |t| > 2: "
+            f"{int((group['slope_t'].abs() > 2).sum())} raw, "
+            f"{int((group['slope_t_fit'].abs() > 2).sum())} with the fit's uncertainty"
         )
     return "\n".join(lines)
 
@@ -146,13 +179,24 @@ def main(argv: list[str] | None = None) -> None:
         help="a family of curves and its reference sizes (repeatable)",
     )
     parser.add_argument("--no-synthetic", action="store_true", help="only the --family curves")
+    parser.add_argument(
+        "--realizations",
+        type=int,
+        default=1,
+        metavar="N",
+        help="noise draws of each synthetic family; with N > 1 the drift method's bias slope "
+        "is also averaged over the draws (the table shows draw 0)",
+    )
     args = parser.parse_args(argv)
-    results = []
+    results, draws = [], []
     if not args.no_synthetic:
         for name, (offset, slope) in SYNTHETIC.items():
-            results.append(
-                evaluate(f"synthetic {name}", synthetic_family(offset, slope), ["s1", "s2"])
-            )
+            for seed in range(args.realizations):
+                curves = synthetic_family(offset, slope, seed=seed)
+                draws.append(evaluate(f"synthetic {name}", curves, ["s1", "s2"]))
+                draws[-1]["draw"] = seed
+                if seed == 0:
+                    results.append(draws[-1].drop(columns="draw"))
     for spec in args.family:
         name, rest = spec.split("=", 1)
         path, sizes = rest.rsplit(":", 1)
@@ -161,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.round(3).to_string(index=False))
     print(verdict(table))
+    if args.realizations > 1:
+        print(over_draws(pd.concat(draws, ignore_index=True)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ with or against hand arithmetic and scipy.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -22,6 +24,7 @@ from collapse.predict import (
     bias_by_size,
     bias_slope,
     drift_from_sizes,
+    drift_slope_fit_se,
     predict_runs,
     reference_from_sizes,
 )
@@ -157,6 +160,13 @@ def test_cli_prints_the_fit_and_the_bias_by_size(tmp_path, capsys):
     assert run_cli([*argv, "--reference-sizes", "s1,s2"]) == 0
     out = capsys.readouterr().out
     assert "offset L0 = 1.5" in out and "bias by size" in out
+    assert "jackknife standard error" in out
+    fit = json.loads((tmp_path / "out" / "drift.json").read_text())
+    replicas = np.array(fit["jackknife_offset_L0"])
+    n = len(replicas)
+    assert fit["offset_L0_jackknife_se"] == pytest.approx(
+        np.sqrt((n - 1) / n * np.sum((replicas - replicas.mean()) ** 2))
+    )
     by_size = pd.read_csv(tmp_path / "out" / "bias_by_size.csv")
     drift_rows = by_size[by_size["method"] == DRIFT_METHOD]
     assert list(drift_rows["size"]) == ["s3", "s4", "s5"]
@@ -174,3 +184,46 @@ def test_cli_without_a_size_number_skips_the_drift_method(tmp_path, capsys):
     assert run_cli([*argv, "--out", str(out)]) == 0
     assert "no drift method" in capsys.readouterr().err
     assert DRIFT_METHOD not in set(pd.read_csv(out / "predictions.csv")["method"])
+
+
+def test_bias_does_not_grow_with_size_over_noise_draws():
+    """Known L0 1.2 and a known exponent drift of -0.02 per unit log parameters, 1 % step noise.
+
+    One draw's bias is a line in size even for an unbiased method: the draw's error in the
+    fitted L0 shifts every predicted size the same way. Over eight independent draws the drift
+    method's mean slope stays within two standard errors of 0, while the paper's method, which
+    ignores the drift, has a slope many standard errors away from 0 in the same test. The
+    jackknife error of one draw's slope (drift_slope_fit_se) is checked against the spread of
+    the slope over the draws, which it estimates from one draw's reference runs alone.
+    """
+    slopes, jackknife = {"collapse": [], DRIFT_METHOD: []}, []
+    for draw in range(8):
+        frame = synthetic_family(
+            FINALS,
+            seeds=3,
+            steps=1000,
+            noise_rel=0.01,
+            wiggle_rel=0.0,
+            seed_spread_rel=0.0,
+            offset=1.2,
+            n_params=N_PARAMS,
+            exponent_slope=-0.02,
+            rng_seed=draw,
+        )
+        curves = smooth(curves_from_frame(frame))
+        reference, reference_runs = reference_from_sizes(curves, REFERENCE)
+        drift = drift_from_sizes(curves, reference_runs)
+        targets = [r for r in curves.runs if r not in set(reference_runs)]
+        table = predict_runs(curves, reference, (0.1, 0.3), runs=targets, drift=drift)
+        fit = bias_slope(bias_by_size(table, curves.meta, drift)).set_index(["method", "fraction"])
+        for method, values in slopes.items():
+            values.append(fit.loc[(method, 0.3), "slope_pct_per_unit_x"])
+        jackknife.append(drift_slope_fit_se(table, curves, drift)[0.3])
+    spread = np.std(slopes[DRIFT_METHOD], ddof=1)
+    assert 0.5 * spread < np.median(jackknife) < 2 * spread, (spread, jackknife)
+    for method, values in slopes.items():
+        mean, se = np.mean(values), np.std(values, ddof=1) / np.sqrt(len(values))
+        if method == DRIFT_METHOD:
+            assert abs(mean) < 2 * se, (mean, se, values)
+        else:
+            assert mean < -10 * se, (mean, se, values)

@@ -10,12 +10,13 @@ corrections are fitted here, from the complete curves of the reference sizes onl
 offset L0
     Qiu et al. (2025, "Scaling collapse reveals universal dynamics in compute-optimally trained
     neural networks") normalize L - L0 with a fitted irreducible loss. Here L0 is the value
-    that makes the reference sizes' normalized curves (L - L0) / (L(T) - L0) agree best:
-    it minimizes the relative error of predicting each reference size's mean curve from another
-    size's normalized shape, over t_hat in DRIFT_FIT_RANGE (an error in loss units: an L0 just
-    below the final losses, which inflates ell, is penalized, and one far below them tends to
-    curves that differ by a constant). A negative L0 is allowed: it is what a family whose
-    larger sizes are steeper needs, a fitting device rather than an irreducible loss.
+    that makes the reference sizes' curves L - L0 proportional: it minimizes the relative error
+    of predicting each reference size's mean curve from another size's, L0 + s * (L_j - L0),
+    the scale s fitted over t_hat in DRIFT_FIT_RANGE (an error in loss units: an L0 just below
+    the losses is penalized, and one far below them tends to curves that differ by a constant).
+    The scale is fitted, not read from the final losses, so that the noise of one smoothed
+    point does not decide L0. A negative L0 is allowed: it is what a family whose larger sizes
+    are steeper needs, a fitting device rather than an irreducible loss.
 exponent drift
     What L0 leaves: each reference size's log ell is fitted as a_i * g(t_hat), g the mean over
     sizes, and a_i = 1 + slope * (x_i - x_ref) with x = log parameters (else log FLOPs, else
@@ -44,13 +45,12 @@ from collapse.surrogate import FIT_WINDOW
 
 # t_hat span the reference sizes are compared over: the surrogate's fit window (docs/method.md
 # §2: fits ignore the first 20 % of training). Measured against (0.02, 1): the fitted L0 lands
-# on the one Qiu et al. fitted from their final losses (CIFAR-5M 3.133 vs 3.132, chess 0.567 vs
-# 0.542, against 3.148 and 0.579) and the error at 30 % drops from 0.061 to 0.008 % (CIFAR-5M),
-# 0.26 to 0.15 % (chess) and 8.5 to 7.0 % (the CPU family); on the synthetic families it rises
-# from 0.40-0.79 to 0.47-0.93 %.
+# nearer the one Qiu et al. fitted from their final losses (CIFAR-5M 3.133 against 3.155,
+# chess 0.552 against 0.586, theirs 3.132 and 0.542).
 DRIFT_FIT_RANGE = FIT_WINDOW
 OFFSET_CEILING = 1 - 1e-6  # L0 stays below the lowest reference final loss (numerical guard)
 OFFSET_FLOOR = -1.0  # ... and above this multiple of it (a negative L0: larger sizes steeper)
+OFFSET_GRID_POINTS = 201  # L0 values tried before the bounded search refines the best one
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,15 @@ class DriftFit:
     notes: list[str] = field(default_factory=list)
     replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
 
+    @property
+    def offset_se(self) -> float:
+        """Jackknife standard error of L0 over the replicas (NaN with fewer than two)."""
+        values = np.array([r.offset for r in self.replicas])
+        if len(values) < 2:
+            return float("nan")
+        n = len(values)
+        return float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+
     def exponent(self, x: float) -> float:
         """a at size coordinate x under the continued-drift hypothesis."""
         return 1.0 + self.slope * (float(x) - self.x_ref)
@@ -100,6 +109,7 @@ class DriftFit:
             "relative_spread_without_offset": self.spread_without_offset,
             "relative_spread_with_offset": self.spread_with_offset,
             "jackknife_offset_L0": [r.offset for r in self.replicas],
+            "offset_L0_jackknife_se": self.offset_se,
             "jackknife_exponent_slope": [r.slope for r in self.replicas],
             "notes": list(self.notes),
         }
@@ -137,26 +147,65 @@ def _relative_spread(logs: np.ndarray) -> float:
         return float(np.nanmean(np.nanvar(logs, axis=0)) / np.nanmean(center**2))
 
 
-def _cross_prediction_error(
-    matrix: CurveMatrix, labels: np.ndarray, sizes: list[str], offset: float, cols: np.ndarray
-) -> float:
+def _size_mean_losses(
+    matrix: CurveMatrix, labels: np.ndarray, sizes: list[str], cols: np.ndarray
+) -> np.ndarray:
+    """Mean smoothed loss of each size on the grid columns ``cols``, (n_sizes, n_cols)."""
+    with nan_columns_expected():
+        return np.vstack([np.nanmean(matrix.loss[labels == s][:, cols], axis=0) for s in sizes])
+
+
+def _cross_prediction_error(losses: np.ndarray, offset: float) -> float:
     """Mean squared relative error of predicting each size's mean curve from another's shape.
 
-    L_i(t) ~ L0 + (L_i(T) - L0) * ell_j(t) for every ordered pair of sizes i != j: the error of
-    the prediction itself, in loss units, so an L0 just below the final losses (which inflates
-    ell) is penalized, and L0 -> -inf tends to a finite limit (curves differing by a constant).
+    L_i(t) ~ L0 + s_ij * (L_j(t) - L0) for every ordered pair of sizes i != j, with the scale
+    s_ij fitted by least squares over the whole span (closed form), as early-align fits the
+    final loss of a run in progress. The error is the prediction's own, in loss units relative
+    to L_i: an L0 just below the losses is penalized, and L0 -> -inf tends to a finite limit
+    (curves differing by a constant). No single point fixes the scale: pinning s_ij to the
+    ratio of the final losses lets the seed noise of the last smoothed points decide L0 (with
+    two neighbouring sizes, a 0.1 % error in a final loss moves L0 by about a tenth of it).
     """
-    final = matrix.meta["final_loss"].to_numpy(float)
-    ell = np.exp(_log_size_means(matrix, labels, sizes, offset)[:, cols])
-    scale = np.array([np.mean(final[labels == s]) for s in sizes]) - offset
-    mean_loss = offset + scale[:, None] * ell
-    errors = [
-        np.nanmean(((offset + scale[i] * ell[j]) / mean_loss[i] - 1) ** 2)
-        for i in range(len(sizes))
-        for j in range(len(sizes))
-        if i != j
-    ]
+    errors = []
+    for i in range(len(losses)):
+        for j in range(len(losses)):
+            if i == j:
+                continue
+            y = 1 - offset / losses[i]
+            u = (losses[j] - offset) / losses[i]
+            ok = np.isfinite(y) & np.isfinite(u)
+            y, u = y[ok], u[ok]
+            errors.append((y @ y - (u @ y) ** 2 / (u @ u)) / len(y))
     return float(np.mean(errors))
+
+
+def _fit_offset(losses: np.ndarray, floor: float) -> float:
+    """The L0 in [OFFSET_FLOOR, OFFSET_CEILING] x ``floor`` minimizing the cross-prediction error.
+
+    A grid of OFFSET_GRID_POINTS values first (the error can have more than one minimum over
+    so wide a range), then a bounded scalar search between the best value's neighbours.
+    """
+    grid = np.linspace(OFFSET_FLOOR * floor, OFFSET_CEILING * floor, OFFSET_GRID_POINTS)
+    k = int(np.argmin([_cross_prediction_error(losses, l0) for l0 in grid]))
+    lo, hi = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+    result = minimize_scalar(
+        lambda l0: _cross_prediction_error(losses, l0),
+        bounds=(lo, hi),
+        method="bounded",
+        options={"xatol": 1e-7 * abs(floor)},
+    )
+    return float(result.x)
+
+
+def _exponent(log_ell: np.ndarray, shape: np.ndarray) -> float:
+    """a in log ell_i = c_i + a * g: the slope of a size's log ell against the mean shape.
+
+    The intercept c_i is free, so an error in the size's final loss (a constant in log ell)
+    does not enter a; over sizes the a average to 1, since g is their mean.
+    """
+    ok = np.isfinite(log_ell) & np.isfinite(shape)
+    x, y = shape[ok] - shape[ok].mean(), log_ell[ok] - log_ell[ok].mean()
+    return float(x @ y / (x @ x))
 
 
 def fit_drift(
@@ -192,21 +241,14 @@ def fit_drift(
         )
         fitted = 0.0 if offset is None else float(offset)
     elif offset is None:
-        floor = float(np.min(final))
-        result = minimize_scalar(
-            lambda l0: _cross_prediction_error(matrix, labels, sizes, l0, cols),
-            bounds=(OFFSET_FLOOR * floor, OFFSET_CEILING * floor),
-            method="bounded",
-            options={"xatol": 1e-6 * floor},
-        )
-        fitted = float(result.x)
+        fitted = _fit_offset(_size_mean_losses(matrix, labels, sizes, cols), float(np.min(final)))
     else:
         fitted = float(offset)
     logs = _log_size_means(matrix, labels, sizes, fitted)
     with nan_columns_expected():
         shape = np.nanmean(logs, axis=0)
     g = shape[cols]
-    exponents = [float(np.nansum(row[cols] * g) / np.nansum(g * g)) for row in logs]
+    exponents = [_exponent(row[cols], g) for row in logs]
     x_ref = float(np.mean(size_x))
     slope = float(np.polyfit(np.subtract(size_x, x_ref), exponents, 1)[0]) if len(sizes) > 1 else 0
     return DriftFit(

@@ -414,12 +414,16 @@ def bias_by_size(table: pd.DataFrame, meta: pd.DataFrame, drift: DriftFit | None
     return out.reset_index(drop=True)
 
 
-def bias_slope(by_size: pd.DataFrame) -> pd.DataFrame:
+def bias_slope(by_size: pd.DataFrame, fit_se: pd.Series | None = None) -> pd.DataFrame:
     """Slope of the per-size bias (%) against the size coordinate, with its standard error.
 
     One row per method and fraction: slope_pct_per_unit_x, its standard error from ordinary
     least squares over the sizes, and t = slope / se (|t| > 2: the bias grows with size).
-    NaN where fewer than three sizes have a coordinate.
+    NaN where fewer than three sizes have a coordinate. The OLS error treats the reference as
+    exact. ``fit_se`` (``drift_slope_fit_se``: the jackknife standard error of the drift
+    method's slope over its reference runs, indexed by fraction) adds slope_se_fit and
+    t_with_fit = slope / sqrt(se^2 + se_fit^2), the test that counts the uncertainty of the
+    fit every prediction shares.
     """
     rows = []
     for (method, fraction), group in by_size.groupby(["method", "fraction"], sort=False):
@@ -429,16 +433,57 @@ def bias_slope(by_size: pd.DataFrame) -> pd.DataFrame:
             (slope, intercept), cov = np.polyfit(g["x"], g["bias_pct"], 1, cov="unscaled")
             resid = g["bias_pct"] - (slope * g["x"] + intercept)
             se = float(np.sqrt(cov[0, 0] * np.sum(resid**2) / (len(g) - 2)))
-        rows.append(
-            {
-                "method": method,
-                "fraction": fraction,
-                "slope_pct_per_unit_x": slope,
-                "slope_se": se,
-                "t": slope / se if se and np.isfinite(se) and se > 0 else np.nan,
-            }
-        )
+        row = {
+            "method": method,
+            "fraction": fraction,
+            "slope_pct_per_unit_x": slope,
+            "slope_se": se,
+            "t": slope / se if se and np.isfinite(se) and se > 0 else np.nan,
+        }
+        if fit_se is not None:
+            extra = float(fit_se.get(fraction, np.nan)) if method == DRIFT_METHOD else 0.0
+            total = float(np.hypot(se, extra))
+            row["slope_se_fit"] = extra if method == DRIFT_METHOD else np.nan
+            row["t_with_fit"] = slope / total if np.isfinite(total) and total > 0 else np.nan
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def drift_slope_fit_se(table: pd.DataFrame, curves: Curves, drift: DriftFit) -> pd.Series:
+    """Jackknife standard error, per fraction, of the drift method's bias slope.
+
+    Every drift row of ``table`` (``predict_runs``) is predicted again with each replica of the
+    fit (``drift.replicas``: one reference run left out), the per-size bias and its slope
+    recomputed, and the replicas' slopes combined as a jackknife. An error in L0 or in the
+    exponent slope shifts every predicted size the same way, so its bias is a line in size
+    even when the method is unbiased: this is how far that line moves with the reference's
+    seed noise. NaN per fraction with fewer than two replicas.
+    """
+    rows = table[(table["method"] == DRIFT_METHOD)].dropna(subset=["true_final_loss"])
+    fractions = list(pd.unique(rows["fraction"]))
+    if len(drift.replicas) < 2 or rows.empty:
+        return pd.Series(np.nan, index=fractions, dtype=float)
+    size_x = size_coordinate(curves.meta)[0]
+    by_run = dict(tuple(curves.data.groupby("run", sort=False)))
+    slopes = []
+    for replica in drift.replicas:
+        again = rows.copy()
+        for i, row in rows.iterrows():
+            curve = by_run[row["run"]]
+            keep = curve["t_hat"].to_numpy(float) <= row["fraction"] + 1e-9
+            p = predict_drift(
+                curve["t_hat"].to_numpy(float)[keep],
+                curve["loss_smooth"].to_numpy(float)[keep],
+                replica,
+                size_x[row["run"]],
+                alignment_window(row["fraction"]),
+            )
+            again.at[i, "predicted_final_loss"] = p.final_loss
+        slopes.append(bias_slope(bias_by_size(again, curves.meta)).set_index("fraction"))
+    values = pd.concat([s["slope_pct_per_unit_x"] for s in slopes], axis=1)
+    n = values.shape[1]
+    spread = values.sub(values.mean(axis=1), axis=0).pow(2).sum(axis=1)
+    return np.sqrt((n - 1) / n * spread)
 
 
 # ---------------------------------------------------------------- command line
@@ -548,7 +593,8 @@ def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | No
     drift = drift_from_sizes(curves, reference_runs)
     print(
         f"drift fitted on sizes {', '.join(drift.sizes)}: offset L0 = {drift.offset:.5g} "
-        f"nats/token, shape exponent a = 1 + {drift.slope:.4g} (x - {drift.x_ref:.4g}), "
+        f"nats/token (jackknife standard error {drift.offset_se:.2g}), shape exponent "
+        f"a = 1 + {drift.slope:.4g} (x - {drift.x_ref:.4g}), "
         f"x = {drift.coordinate}; relative spread of the reference sizes' log ell "
         f"{drift.spread_without_offset:.3g} without L0, {drift.spread_with_offset:.3g} with it"
     )
