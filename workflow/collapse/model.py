@@ -87,16 +87,16 @@ def transformer_config(spec: RunSpec, on_gpu: bool):
 
 
 def layer_spec(spec: RunSpec, on_gpu: bool):
-    """TransformerEngine layer spec on GPU where importable, else the local spec; SDPA attention
-    (with ALiBi when asked) for the local spec, and for ALiBi on either."""
+    """TransformerEngine layer spec on GPU where importable (ALiBi by TE's fused attention), else
+    the local spec with SDPA attention (ALiBi as one bias shared by every layer)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_patches.attention import use_sdpa_core_attention
+    from megatron_patches.attention import use_sdpa_core_attention, use_te_alibi_core_attention
 
     alibi = spec.model.positions == "alibi"
     if on_gpu and transformer_engine_available():
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        return use_sdpa_core_attention(base, alibi=True) if alibi else base
+        return use_te_alibi_core_attention(base) if alibi else base
     return use_sdpa_core_attention(gpt_layer_specs.get_gpt_layer_local_spec(), alibi=alibi)
 
 
