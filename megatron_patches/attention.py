@@ -205,7 +205,7 @@ def te_alibi_attention_class():
     tensor; TE's ``DotProductAttention.forward`` itself takes ``core_attention_bias_type="alibi"``
     and ``alibi_slopes`` (fp32, one per head of this rank) and applies -slope*(i-j) inside its
     fused kernel (flash or cuDNN), after the softmax scale, as ``SDPAttention`` does. The slopes
-    are this module's (``alibi_slopes``), cut to the rank's heads. Not run on this machine (no
+    are ``alibi_slopes`` cut to the rank's heads. Not run on this machine (no
     GPU, no TransformerEngine): the CPU path above is the one the tests check.
     """
     try:
@@ -219,12 +219,17 @@ def te_alibi_attention_class():
             super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
             if attn_mask_type != AttnMaskType.causal:
                 raise ValueError(f"TEAlibiAttention: only causal attention, got {attn_mask_type}")
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
-            tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            pg = kwargs.get("pg_collection")
+            if pg is not None and hasattr(pg, "tp"):
+                tp_size, tp_rank = pg.tp.size(), pg.tp.rank()
+            else:
+                tp_size = parallel_state.get_tensor_model_parallel_world_size()
+                tp_rank = parallel_state.get_tensor_model_parallel_rank()
             per_rank = config.num_attention_heads // tp_size
             lo = tp_rank * per_rank
-            slopes = alibi_slopes(config.num_attention_heads)[lo : lo + per_rank]
-            self.register_buffer("alibi_slopes", slopes, persistent=False)
+            # fp32, and not a buffer: Float16Module would round a buffer to bf16, and head
+            # counts that are not powers of two have slopes that bf16 cannot hold
+            self._slopes = alibi_slopes(config.num_attention_heads)[lo : lo + per_rank]
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs):
             if any(kwargs.get(k) is not None for k in ("packed_seq_params", "attention_bias")):
@@ -239,8 +244,13 @@ def te_alibi_attention_class():
                 attention_mask,
                 attn_mask_type="causal",
                 core_attention_bias_type="alibi",
-                alibi_slopes=self.alibi_slopes.float(),
+                alibi_slopes=self._slopes_on(query.device),
             )
+
+        def _slopes_on(self, device):
+            if self._slopes.device != device:
+                self._slopes = self._slopes.to(device)
+            return self._slopes
 
     return TEAlibiAttention
 

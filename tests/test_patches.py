@@ -374,6 +374,22 @@ def test_the_alibi_cache_keeps_ranks_and_lengths_apart():
     attention.clear_alibi_cache()
 
 
+def test_without_transformer_engine_the_te_spec_falls_back_to_the_shared_sdpa_bias():
+    """TE's fused ALiBi needs TransformerEngine (a GPU machine); without it, the SDPA class."""
+    import importlib.util
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_patches import attention
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed: the fused path is used")
+    assert attention.te_alibi_attention_class() is None
+    spec = attention.use_te_alibi_core_attention(gpt_layer_specs.get_gpt_layer_local_spec())
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core is attention.SDPAlibiAttention
+
+
 def test_the_optimizer_decays_each_group_by_the_specs_multiplier(megatron_world, tmp_path):
     from test_train_support import tiny_spec
 
