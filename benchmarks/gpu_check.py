@@ -315,6 +315,7 @@ def run_worker(spec_path: Path, root: Path, runs: list[tuple[str, int]], timeout
 
 
 def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default=None, help="a ladder size (default 60M; smoke: d64)")
     parser.add_argument("--steps", type=int, default=None, help="default 200 (smoke: 6)")
