@@ -11,6 +11,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+import torch
+
+from collapse.model import GPU_PRECISION_ENV, params_dtype
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,3 +60,14 @@ def test_the_bigram_data_is_learnable_and_fixed():
     # bigrams than the 64 x 64 possible
     pairs = {(int(x), int(y)) for row in a for x, y in zip(row[:-1], row[1:], strict=True)}
     assert len(pairs) < 64 * 4 + 0.05 * a.size
+
+
+def test_gpu_precision_is_bf16_unless_asked_for_fp32(monkeypatch):
+    monkeypatch.delenv(GPU_PRECISION_ENV, raising=False)
+    assert params_dtype(True) == torch.bfloat16 and params_dtype(False) == torch.float32
+    monkeypatch.setenv(GPU_PRECISION_ENV, "fp32")
+    assert params_dtype(True) == torch.float32
+    monkeypatch.setenv(GPU_PRECISION_ENV, "fp16")
+    assert params_dtype(False) == torch.float32  # the CPU path is fp32 whatever is asked
+    with pytest.raises(ValueError, match="COLLAPSE_GPU_PRECISION='fp16': use bf16"):
+        params_dtype(True)
