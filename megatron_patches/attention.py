@@ -9,6 +9,15 @@ embeddings, recompute) is unchanged. The softmax scale comes from ``softmax_scal
 
 ALiBi (Press et al. 2022): score(i, j) += -slope_h * (i - j), slopes the geometric sequence of
 the paper for the total head count; a tensor-parallel rank takes the slopes of its own heads.
+
+The bias [heads/tp, sq, sk] depends only on the head slopes, the sequence lengths, the dtype and
+the device, never on the layer: one module-level cache holds it once per process, and every
+layer's attention reads that one tensor (``shared_alibi_bias``). Forty layers therefore hold one
+bias, not forty; ``alibi_bias_bytes`` is its size for the memory plan.
+
+With TransformerEngine (GPU), ``TEAlibiAttention`` replaces all of this with TE's fused
+attention and its own ALiBi (``core_attention_bias_type="alibi"`` with the same slopes): no bias
+tensor is materialized at all.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_patches._guard import PatchTargetMissing
 
 
-def alibi_slopes(n_heads: int) -> torch.Tensor:
+def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
     """ALiBi head slopes; for a head count that is not a power of two, the paper's interleave."""
 
     def power_of_two(n: int) -> list[float]:
@@ -38,7 +47,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     else:
         closest = 2 ** math.floor(math.log2(n_heads))
         slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
 def alibi_bias(slopes: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
@@ -48,6 +57,50 @@ def alibi_bias(slopes: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     distance = (i - j).to(torch.float32)
     bias = -slopes.view(-1, 1, 1) * distance
     return bias.masked_fill(j > i, float("-inf"))
+
+
+# (slopes of this rank's heads, sq, sk, dtype, device) -> the bias; shared by every layer
+_ALIBI_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def shared_alibi_bias(
+    slopes: tuple[float, ...], sq: int, sk: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The ALiBi bias for these slopes and lengths: built once per process, then the same tensor.
+
+    Keyed by the slope values themselves (a tuple, so no device read per call), so two
+    tensor-parallel ranks in one process, or two models with different head counts, never share
+    a wrong bias.
+    """
+    key = (slopes, sq, sk, dtype, torch.device(device))
+    bias = _ALIBI_CACHE.get(key)
+    if bias is None:
+        values = torch.tensor(slopes, dtype=torch.float32)
+        bias = alibi_bias(values, sq, sk).to(device=device, dtype=dtype)
+        _ALIBI_CACHE[key] = bias
+    return bias
+
+
+def clear_alibi_cache() -> None:
+    """Drop every cached bias (e.g. between models of different sequence lengths)."""
+    _ALIBI_CACHE.clear()
+
+
+def alibi_cache_bytes() -> int:
+    """Bytes the cached ALiBi biases hold in this process (each counted once)."""
+    seen = {}
+    for bias in _ALIBI_CACHE.values():
+        seen[bias.untyped_storage().data_ptr()] = bias.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def alibi_bias_bytes(n_heads: int, seq_len: int, *, tp: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of the one shared ALiBi bias per GPU: heads/tp x seq x seq elements.
+
+    What the SDPA path holds per process for training at ``seq_len`` (the TransformerEngine path
+    holds none). The bias does not grow with the layer count.
+    """
+    return -(-n_heads // tp) * seq_len * seq_len * dtype_bytes
 
 
 class SDPAttention(MegatronModule):
@@ -92,14 +145,12 @@ class SDPAttention(MegatronModule):
             lo = tp_rank * self.heads_per_partition
             slopes = alibi_slopes(heads)[lo : lo + self.heads_per_partition]
             self.register_buffer("alibi_slopes", slopes, persistent=False)
-        self._bias_cache: dict[tuple, torch.Tensor] = {}
+            # read on the CPU: a model built on the meta device (memory checks) has no values
+            cpu = alibi_slopes(heads, device="cpu")[lo : lo + self.heads_per_partition]
+            self._slopes_key = tuple(cpu.tolist())
 
     def _alibi(self, sq: int, sk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (sq, sk, dtype, device)
-        if key not in self._bias_cache:
-            bias = alibi_bias(self.alibi_slopes.float().cpu(), sq, sk)
-            self._bias_cache[key] = bias.to(device=device, dtype=dtype)
-        return self._bias_cache[key]
+        return shared_alibi_bias(self._slopes_key, sq, sk, dtype, device)
 
     def forward(
         self,
@@ -147,6 +198,79 @@ class SDPAlibiAttention(SDPAttention):
     """``SDPAttention`` with ALiBi position biases."""
 
     alibi = True
+
+
+def te_alibi_attention_class():
+    """A ``TEDotProductAttention`` with TE's own ALiBi, or None without TransformerEngine.
+
+    Megatron-Core 0.16.1's ``TEDotProductAttention.forward`` passes TE only a post-scale bias
+    tensor; TE's ``DotProductAttention.forward`` itself takes ``core_attention_bias_type="alibi"``
+    and ``alibi_slopes`` (fp32, one per head of this rank) and applies -slope*(i-j) inside its
+    fused kernel (flash or cuDNN), after the softmax scale, as ``SDPAttention`` does. The slopes
+    are ``alibi_slopes`` cut to the rank's heads. Not run on this machine (no
+    GPU, no TransformerEngine): the CPU path above is the one the tests check.
+    """
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+        from transformer_engine.pytorch import DotProductAttention as TEBase
+    except ImportError:
+        return None
+
+    class TEAlibiAttention(TEDotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
+            if attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"TEAlibiAttention: only causal attention, got {attn_mask_type}")
+            pg = kwargs.get("pg_collection")
+            if pg is not None and hasattr(pg, "tp"):
+                tp_size, tp_rank = pg.tp.size(), pg.tp.rank()
+            else:
+                tp_size = parallel_state.get_tensor_model_parallel_world_size()
+                tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            per_rank = config.num_attention_heads // tp_size
+            lo = tp_rank * per_rank
+            # fp32, and not a buffer: Float16Module would round a buffer to bf16, and head
+            # counts that are not powers of two have slopes that bf16 cannot hold
+            self._slopes = alibi_slopes(config.num_attention_heads)[lo : lo + per_rank]
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, **kwargs):
+            if any(kwargs.get(k) is not None for k in ("packed_seq_params", "attention_bias")):
+                raise ValueError(
+                    "TEAlibiAttention: packed sequences and attention_bias unsupported"
+                )
+            return TEBase.forward(
+                self,
+                query,
+                key,
+                value,
+                attention_mask,
+                attn_mask_type="causal",
+                core_attention_bias_type="alibi",
+                alibi_slopes=self._slopes_on(query.device),
+            )
+
+        def _slopes_on(self, device):
+            if self._slopes.device != device:
+                self._slopes = self._slopes.to(device)
+            return self._slopes
+
+    return TEAlibiAttention
+
+
+def use_te_alibi_core_attention(layer_spec):
+    """The TransformerEngine layer spec with TE's fused ALiBi attention; SDPA if TE lacks it."""
+    te_class = te_alibi_attention_class()
+    if te_class is None:
+        return use_sdpa_core_attention(layer_spec, alibi=True)
+    spec = copy.deepcopy(layer_spec)
+    attention = spec.submodules.self_attention
+    if not hasattr(attention.submodules, "core_attention"):
+        raise PatchTargetMissing(
+            "megatron_patches.attention: the GPT layer spec has no "
+            "submodules.self_attention.submodules.core_attention (written for 0.16.1)"
+        )
+    attention.submodules.core_attention = te_class
+    return spec
 
 
 def use_sdpa_core_attention(layer_spec, alibi: bool = False):

@@ -318,6 +318,78 @@ def test_alibi_matches_an_explicit_computation(megatron_world):
     assert torch.allclose(out, expected, atol=1e-5)
 
 
+def test_every_layer_reads_one_alibi_bias_counted_once(megatron_world, tmp_path):
+    """A 3-layer ALiBi GPT: one bias tensor for all layers, its bytes heads x s x s x 4 once."""
+    from test_train_support import tiny_spec
+
+    from collapse.model import build_gpt_model
+    from megatron_patches import attention
+
+    attention.clear_alibi_cache()
+    spec = tiny_spec(tmp_path, n_layers=3, positions="alibi", seq_len=16)
+    model = build_gpt_model(spec)
+    seen = []
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        assert isinstance(core, attention.SDPAlibiAttention)
+
+        def spy(*args, _orig=core._alibi):
+            bias = _orig(*args)
+            seen.append(bias)
+            return bias
+
+        core._alibi = spy
+    tokens = torch.randint(0, spec.model.vocab_size, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+    model(tokens, positions, None).float().sum().backward()
+    assert len(seen) == 3
+    assert len({b.untyped_storage().data_ptr() for b in seen}) == 1  # one storage, three layers
+    heads, s = spec.model.n_heads, 16
+    assert seen[0].shape == (heads, s, s)
+    assert attention.alibi_cache_bytes() == heads * s * s * 4  # fp32 on CPU, counted once
+    assert attention.alibi_bias_bytes(heads, s, dtype_bytes=4) == heads * s * s * 4
+    # Celerity 3.9B on one GPU: 16 heads x 8192^2 x 2 bytes = 2 GiB per process (per layer it
+    # was 40 x that); over tensor-parallel 2, half.
+    assert attention.alibi_bias_bytes(16, 8192) == 2 * 2**30
+    assert attention.alibi_bias_bytes(16, 8192, tp=2) == 2**30
+    attention.clear_alibi_cache()
+    assert attention.alibi_cache_bytes() == 0
+
+
+def test_the_alibi_cache_keeps_ranks_and_lengths_apart():
+    """Different slopes (another TP rank's heads) or lengths get their own bias, equal values
+    get the same tensor."""
+    from megatron_patches import attention
+
+    attention.clear_alibi_cache()
+    slopes = tuple(attention.alibi_slopes(4).tolist())
+    cpu = torch.device("cpu")
+    a = attention.shared_alibi_bias(slopes[:2], 8, 8, torch.float32, cpu)
+    b = attention.shared_alibi_bias(slopes[2:], 8, 8, torch.float32, cpu)
+    c = attention.shared_alibi_bias(slopes[:2], 4, 4, torch.float32, cpu)
+    assert a is attention.shared_alibi_bias(tuple(slopes[:2]), 8, 8, torch.float32, cpu)
+    assert not torch.equal(a, b) and c.shape == (2, 4, 4)
+    assert torch.equal(a, attention.alibi_bias(torch.tensor(slopes[:2]), 8, 8))
+    assert attention.alibi_cache_bytes() == (2 * 64 + 2 * 64 + 2 * 16) * 4
+    attention.clear_alibi_cache()
+
+
+def test_without_transformer_engine_the_te_spec_falls_back_to_the_shared_sdpa_bias():
+    """TE's fused ALiBi needs TransformerEngine (a GPU machine); without it, the SDPA class."""
+    import importlib.util
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from megatron_patches import attention
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed: the fused path is used")
+    assert attention.te_alibi_attention_class() is None
+    spec = attention.use_te_alibi_core_attention(gpt_layer_specs.get_gpt_layer_local_spec())
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core is attention.SDPAlibiAttention
+
+
 def test_the_optimizer_decays_each_group_by_the_specs_multiplier(megatron_world, tmp_path):
     from test_train_support import tiny_spec
 

@@ -367,6 +367,26 @@ def test_completep_depth_scaling_by_hand():
         mup_parameterization(a, kind="completep", completep_alpha=2.0, **BASE)
 
 
+def test_completep_scales_depth_once_through_the_residual_multiplier():
+    """CompleteP (Dey et al. 2025): the output projections' init does not depend on depth; the
+    branch x m_L^-alpha alone does. At the base depth the init is µP's sigma/sqrt(2 m_d L_base).
+    Width 2048 (m_d 8), base depth 10, by hand."""
+    expected_std = 8.67e-2 / math.sqrt(2 * 8 * 10)  # 0.00685...
+    for layers, multiplier in ((10, 1.0), (20, 0.5), (40, 0.25), (80, 0.125)):
+        cp = mup_parameterization(celerity_arch(2048, 16, 128, layers), kind="completep", **BASE)
+        assert cp.init_std_output_proj == pytest.approx(expected_std)
+        assert cp.residual_multiplier == pytest.approx(multiplier)  # 10 / L
+        # the branch output at init scales as std x multiplier: 1/L, not 1/L^1.5
+        assert cp.init_std_output_proj * cp.residual_multiplier == pytest.approx(
+            expected_std * 10 / layers
+        )
+    mup = mup_parameterization(celerity_arch(2048, 16, 128, 10), kind="mup", **BASE)
+    base = mup_parameterization(celerity_arch(2048, 16, 128, 10), kind="completep", **BASE)
+    assert base.init_std_output_proj == mup.init_std_output_proj  # base depth: µP exactly
+    deep_mup = mup_parameterization(celerity_arch(2048, 16, 128, 40), kind="mup", **BASE)
+    assert deep_mup.init_std_output_proj == pytest.approx(8.67e-2 / math.sqrt(2 * 8 * 40))
+
+
 def test_standard_parameterization():
     a = celerity_arch(640, 10, 64, 13)
     sp = mup_parameterization(a, kind="sp", **BASE)

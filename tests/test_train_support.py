@@ -111,7 +111,8 @@ def tiny_spec(
         attention_scale=(1.0 / head_dim) if mup_on else head_dim**-0.5,
         init_std_embedding=sigma,
         init_std_hidden=sigma / width_mult**0.5,
-        init_std_output_proj=sigma / (2 * width_mult * n_layers) ** 0.5,
+        init_std_output_proj=sigma
+        / (2 * width_mult * (2 if kind == "completep" else n_layers)) ** 0.5,
         init_std_unembedding=sigma / width_mult**0.5,
         lr_embedding=eta,
         lr_hidden=eta / width_mult,

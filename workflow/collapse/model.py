@@ -8,6 +8,7 @@ a scaling rule. Megatron hooks are used where they exist (``softmax_scale``, con
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,19 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+# fp32 on GPU as well when set to "fp32": the full-precision reference of benchmarks/gpu_check.py
+GPU_PRECISION_ENV = "COLLAPSE_GPU_PRECISION"
+
+
 def params_dtype(on_gpu: bool) -> torch.dtype:
-    """bf16 on GPU, fp32 on CPU (the CPU path is for correctness and tiny runs)."""
-    return torch.bfloat16 if on_gpu else torch.float32
+    """bf16 on GPU, fp32 on CPU (the CPU path is for correctness and tiny runs); fp32 on GPU
+    too where $COLLAPSE_GPU_PRECISION is "fp32"."""
+    if not on_gpu:
+        return torch.float32
+    precision = os.environ.get(GPU_PRECISION_ENV, "bf16")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"{GPU_PRECISION_ENV}={precision!r}: use bf16 (default) or fp32")
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def validate_arch(spec: RunSpec) -> None:
@@ -90,7 +101,7 @@ def transformer_config(spec: RunSpec, on_gpu: bool):
         **recompute_options(par.recompute),
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=on_gpu,
+        bf16=dtype == torch.bfloat16,
         # megatron_patches.mup.init_parameters re-initialises every weight after construction;
         # Megatron's own init must still run: it sets the tensor-parallel attributes it reads
         use_cpu_initialization=True,
@@ -115,16 +126,16 @@ def recompute_options(recompute: str) -> dict:
 
 
 def layer_spec(spec: RunSpec, on_gpu: bool):
-    """TransformerEngine layer spec on GPU where importable, else the local spec; SDPA attention
-    (with ALiBi when asked) for the local spec, and for ALiBi on either."""
+    """TransformerEngine layer spec on GPU where importable (ALiBi by TE's fused attention), else
+    the local spec with SDPA attention (ALiBi as one bias shared by every layer)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_patches.attention import use_sdpa_core_attention
+    from megatron_patches.attention import use_sdpa_core_attention, use_te_alibi_core_attention
 
     alibi = spec.model.positions == "alibi"
     if on_gpu and transformer_engine_available():
         base = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        return use_sdpa_core_attention(base, alibi=True) if alibi else base
+        return use_te_alibi_core_attention(base) if alibi else base
     return use_sdpa_core_attention(gpt_layer_specs.get_gpt_layer_local_spec(), alibi=alibi)
 
 

@@ -240,6 +240,8 @@ def mup_parameterization(
     completep and the Cerebras llm-foundry CompleteP port): depth m_L = L/L_base, residual
     branches x m_L^-alpha, hidden weight LR x m_L^(alpha-1) (hidden norms and biases too), Adam
     eps x 1/(m_d m_L^alpha). Megatron has one eps for all groups: the hidden-layer value is used.
+    No init variance depends on depth under CompleteP: the output projections keep µP's
+    sigma_base^2/(2 m_d L) at the base depth, L = L_base (docs/method.md §7).
     "sp": every multiplier 1, one LR eta_base, std sigma_base (output projections
     sigma_base/sqrt(2L), Megatron's default), attention 1/sqrt(d_head); eps as given.
     Weight decay: AdamW shrinks a group by lr_group x lambda per step, so tau (defined with the
@@ -293,6 +295,10 @@ def mup_parameterization(
     else:
         depth_mult, residual_multiplier, depth_lr_mult, adam_eps = 1.0, 1.0, 1.0, eps
     hidden_lr = eta_base / width_mult * depth_lr_mult
+    # The output projections' GPT-2 1/(2L) init factor: at the model's own depth under µP; under
+    # CompleteP at the base depth, so that the init does not depend on depth (the residual
+    # multiplier alone carries it, as in Dey et al. 2025) and the base-depth model is µP's.
+    init_depth = depth_base if kind == "completep" else layers
     wd_mult = hidden_lr / eta_base if embedding_decay == "same_tau" else 1.0
     return Parameterization(
         kind=kind,
@@ -306,7 +312,7 @@ def mup_parameterization(
         attention_scale=1.0 / arch.head_dim,
         init_std_embedding=sigma_base,
         init_std_hidden=sigma_base / math.sqrt(width_mult),
-        init_std_output_proj=sigma_base / math.sqrt(2 * width_mult * layers),
+        init_std_output_proj=sigma_base / math.sqrt(2 * width_mult * init_depth),
         init_std_unembedding=sigma_base,
         lr_embedding=eta_base,
         lr_hidden=hidden_lr,

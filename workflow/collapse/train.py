@@ -72,6 +72,7 @@ from collapse.callbacks import (  # the job's exit codes: its callers import the
 )
 from collapse.faults import Faults, InjectFault, NonFiniteOutcome, injects, nonfinite_is_outcome
 from collapse.layout import CURVE_COLUMNS, VALID_COLUMNS
+from collapse.model import params_dtype
 from collapse.runspec import RunSpec, spec_hash
 from collapse.tracking import tracking_for
 
@@ -251,7 +252,7 @@ def build_stack(spec: RunSpec) -> Stack:
     counted = counted.to(torch.cuda.current_device()) if on_gpu else counted
     torch.distributed.all_reduce(counted)
     config = model.config
-    if on_gpu:
+    if config.bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -276,7 +277,7 @@ def build_optimizer(model, spec: RunSpec, use_distributed_optimizer: bool):
     """Megatron's AdamW (decoupled weight decay), each µP group with its own LR and λ."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from collapse.model import lr_by_group, params_dtype, wd_mult_by_group
+    from collapse.model import lr_by_group, wd_mult_by_group
     from megatron_patches.mup import lr_overrides
 
     on_gpu = torch.cuda.is_available()
@@ -291,7 +292,7 @@ def build_optimizer(model, spec: RunSpec, use_distributed_optimizer: bool):
             adam_beta2=mup.adam_beta2,
             adam_eps=mup.adam_eps,
             clip_grad=optim.grad_clip,
-            bf16=on_gpu,
+            bf16=params_dtype(on_gpu) == torch.bfloat16,
             params_dtype=params_dtype(on_gpu),
             use_distributed_optimizer=use_distributed_optimizer,
         ),
@@ -590,7 +591,7 @@ def write_outputs(
         "micro_batch_seqs": par.micro_batch_seqs,
         "grad_accum": par.grad_accum,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "dtype": "bf16" if torch.cuda.is_available() else "fp32",
+        "dtype": "bf16" if params_dtype(torch.cuda.is_available()) == torch.bfloat16 else "fp32",
         "threads": torch.get_num_threads(),
         "host": socket.gethostname(),
         "fault": spec.fault.model_dump(),

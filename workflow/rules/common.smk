@@ -16,6 +16,7 @@ from snakemake.exceptions import WorkflowError
 
 from collapse.config import CONFIG_DIR_ENV, ConfigError, hydra_overrides, load_config
 from collapse.data import stage_outputs
+from collapse.jobs import ResourceError, data_requests, eval_request
 from collapse.shards import shard_markers
 from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
@@ -180,3 +181,39 @@ def train_priority(wildcards):
 def train_resource(key):
     """One of launch.slurm_resources; None leaves the resource unset."""
     return lambda wildcards: slurm_resources(spec_of(wildcards)).get(key)
+
+
+# The evaluation and data jobs' requests, from the plan (collapse.jobs): evaluation on one GPU of
+# a GPU cluster with a scoring batch that fits it, data jobs sized from the corpus; a request
+# beyond one node of the partition stops here, naming the job.
+def _eval_requests():
+    models = {spec.size: spec for spec in PLAN.runs}
+    ev = FAMILY.evaluation
+    return {
+        size: eval_request(
+            CFG.cluster, s.model, s.params, tasks=ev.tasks, limit=ev.limit, size=size
+        )
+        for size, s in models.items()
+    }
+
+
+try:
+    EVAL_REQUESTS = _eval_requests()
+    DATA_REQUESTS = data_requests(CFG.cluster, FAMILY.data)
+except ResourceError as err:
+    raise WorkflowError(str(err)) from None
+
+
+def eval_job(wildcards):
+    return EVAL_REQUESTS[spec_of(wildcards).size]
+
+
+def eval_resource(key):
+    """One resource of a run's evaluation job; None leaves it unset."""
+    return lambda wildcards: eval_job(wildcards).resources(CFG.cluster)[key]
+
+
+def data_resource(rule, key):
+    """One resource of a data rule's job; None leaves it unset."""
+    value = DATA_REQUESTS[rule].resources(CFG.cluster)[key]
+    return lambda wildcards: value

@@ -17,10 +17,13 @@ if DATA_KIND == "shards":
             f"{ROOT}/logs/data_tokenizer.log",
         conda:
             "../../envs/collapse.yaml"
-        threads: 2
+        threads: DATA_REQUESTS["data_tokenizer"].threads
         resources:
-            mem_mb=8000,
-            runtime=60,
+            mem_mb=data_resource("data_tokenizer", "mem_mb"),
+            runtime=data_resource("data_tokenizer", "runtime"),
+            cpus_per_task=data_resource("data_tokenizer", "cpus_per_task"),
+            slurm_partition=data_resource("data_tokenizer", "slurm_partition"),
+            slurm_account=data_resource("data_tokenizer", "slurm_account"),
         params:
             out=lambda wc, output: os.path.dirname(output[0]),
             data_sha=FAMILY.data.fingerprint(),
@@ -50,10 +53,13 @@ if DATA_KIND == "shards":
             shard=r"\d{5}",
         conda:
             "../../envs/collapse.yaml"
-        threads: 1
+        threads: DATA_REQUESTS["data_shard"].threads
         resources:
-            mem_mb=4000,
-            runtime=120,
+            mem_mb=data_resource("data_shard", "mem_mb"),
+            runtime=data_resource("data_shard", "runtime"),
+            cpus_per_task=data_resource("data_shard", "cpus_per_task"),
+            slurm_partition=data_resource("data_shard", "slurm_partition"),
+            slurm_account=data_resource("data_shard", "slurm_account"),
         params:
             out=lambda wc, output: os.path.dirname(os.path.dirname(output[0])),
             data_sha=FAMILY.data.fingerprint(),
@@ -73,10 +79,13 @@ if DATA_KIND == "shards":
             f"{ROOT}/logs/data.log",
         conda:
             "../../envs/collapse.yaml"
-        threads: 1
+        threads: DATA_REQUESTS["data"].threads
         resources:
-            mem_mb=4000,
-            runtime=120,
+            mem_mb=data_resource("data", "mem_mb"),
+            runtime=data_resource("data", "runtime"),
+            cpus_per_task=data_resource("data", "cpus_per_task"),
+            slurm_partition=data_resource("data", "slurm_partition"),
+            slurm_account=data_resource("data", "slurm_account"),
         params:
             out=lambda wc, output: os.path.dirname(output[-1]),
             data_sha=FAMILY.data.fingerprint(),
@@ -96,10 +105,13 @@ else:
             f"{ROOT}/logs/data.log",
         conda:
             "../../envs/collapse.yaml"
-        threads: 2
+        threads: DATA_REQUESTS["data"].threads
         resources:
-            mem_mb=8000,
-            runtime=60,
+            mem_mb=data_resource("data", "mem_mb"),
+            runtime=data_resource("data", "runtime"),
+            cpus_per_task=data_resource("data", "cpus_per_task"),
+            slurm_partition=data_resource("data", "slurm_partition"),
+            slurm_account=data_resource("data", "slurm_account"),
         params:
             out=lambda wc, output: os.path.dirname(output[-1]),
             data_sha=FAMILY.data.fingerprint(),
