@@ -97,8 +97,8 @@ def test_analyze_on_tensorboard_matches_the_csv(family, tmp_path, capsys):
 
 def test_predict_reads_tensorboard(family, tmp_path):
     _, root = family
-    rc = main(["predict", str(root / "tb"), "--runs", str(root / "runs.yaml"),
-               "--reference-sizes", "s1,s2", "--fraction", "0.5", "--out", str(tmp_path)])  # fmt: skip
+    args = ["--reference-sizes", "s1,s2", "--fraction", "0.5", "--out", str(tmp_path)]
+    rc = main(["predict", str(root / "tb"), "--runs", str(root / "runs.yaml"), *args])
     assert rc == 0
     table = pd.read_csv(tmp_path / "predictions.csv")
     assert set(table["run"]) == {"s4_s0", "s4_s1"}

@@ -30,6 +30,7 @@ SUBCOMMANDS = {
     "evaluate": "collapse.evaluate",
     "report": "collapse.report",
     "stage": "collapse.stages",
+    "watch": "collapse.watch",
 }
 
 
