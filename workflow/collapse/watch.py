@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from collapse import logreaders as L
@@ -218,7 +219,9 @@ class Watcher:
             return
         verdicts, _ = A.gate_matrix(matrix, self.reference, policy, self.offset)
         watched.gate = verdicts[0]
-        watched.gate.write_json(self.out / "gates" / f"{_safe(watched.name)}.json")
+        path = self.out / "gates" / f"{_safe(watched.name)}.json"
+        partial = watched.gate.write_json(path.with_name(path.name + ".partial"))
+        partial.replace(path)  # a reader never sees a half-written verdict
 
     def poll(self) -> None:
         with warnings.catch_warnings(record=True) as caught:
@@ -251,8 +254,10 @@ class Watcher:
                 else f"{verdict.residual:+.4f}"
             )
             self.echo(
-                f"ALARM {watched.name}: left the reference band at t_hat {verdict.t_hat:.3f} "
-                f"(step {verdict.step}): residual {residual}, threshold {verdict.threshold:.4f}"
+                f"ALARM {watched.name}: left the reference band at t_hat "
+                f"{self._first_crossing(watched, verdict):.3f}: residual {residual} (the largest "
+                f"since the last check, at t_hat {verdict.t_hat:.3f}), threshold "
+                f"{verdict.threshold:.4f}; read up to step {verdict.step}"
             )
         elif not verdict.alarm and watched.alarmed and verdict.status == "ok":
             watched.alarmed = False
@@ -262,6 +267,14 @@ class Watcher:
                 if verdict.residual is not None
                 else f"back {watched.name}: within the band at t_hat {verdict.t_hat:.3f}"
             )
+
+    def _first_crossing(self, watched: WatchedRun, verdict: MonitorVerdict) -> float:
+        """The first t_hat in the gate window where |r| exceeds the threshold."""
+        t, r = watched.monitor.residuals()
+        lo, hi = self.policy.window
+        with np.errstate(invalid="ignore"):
+            crossing = np.flatnonzero((t >= lo) & (t <= hi) & ~(np.abs(r) <= verdict.threshold))
+        return float(t[crossing[0]]) if len(crossing) else verdict.t_hat
 
     def complete(self) -> bool:
         """Every watched run has reached its last step (and at least one is watched)."""
@@ -288,26 +301,35 @@ class Watcher:
 
 
 def watch(watcher: Watcher, interval: float, until_complete: bool = False, once: bool = False):
-    """Poll until Ctrl-C/SIGTERM (or every run is complete / one poll); print the summary."""
-    stop = {"signal": None}
+    """Poll until Ctrl-C/SIGTERM (or every run is complete / one poll); print the summary.
+
+    The first signal lets the poll under way finish (its gate files stay whole), a second one
+    interrupts it.
+    """
+    stop: list[int] = []
 
     def handler(signum, frame):  # noqa: ARG001
-        stop["signal"] = signum
-        raise KeyboardInterrupt
+        stop.append(signum)
+        if len(stop) > 1:
+            raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
+        while not stop:
             watcher.poll()
             sys.stdout.flush()
             if once or (until_complete and watcher.complete()):
                 break
-            time.sleep(interval)
+            deadline = time.monotonic() + interval
+            while not stop and time.monotonic() < deadline:
+                time.sleep(min(0.1, interval))
     except KeyboardInterrupt:
-        watcher.echo("stopped")
+        pass
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if stop:
+        watcher.echo(f"stopped ({signal.Signals(stop[0]).name})")
     for line in watcher.summary():
         watcher.echo(line)
     sys.stdout.flush()
