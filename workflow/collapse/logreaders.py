@@ -82,11 +82,15 @@ EXPORT_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl")
 MAX_GAPS_SHOWN = 5
 
 
-class LogGapWarning(UserWarning):
+class LogNote(UserWarning):
+    """Something about a log the user should know; the command goes on (``note:`` line)."""
+
+
+class LogGapWarning(LogNote):
     """A run whose log misses steps between its logged ones."""
 
 
-class LogStitchWarning(UserWarning):
+class LogStitchWarning(LogNote):
     """A run whose step counter went back (resumed from a checkpoint) and was stitched."""
 
 
@@ -440,7 +444,7 @@ def choose_runs(runs: Sequence[RunLog], loss_tag: str | None) -> list[tuple[RunL
         warnings.warn(
             f"{len(skipped)} folder(s) without the loss tag are not runs here and are left out: "
             f"{', '.join(skipped[:MAX_GAPS_SHOWN])}{' ...' * (len(skipped) > MAX_GAPS_SHOWN)}",
-            LogStitchWarning,
+            LogNote,
             stacklevel=2,
         )
     return found
