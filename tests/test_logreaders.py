@@ -5,17 +5,14 @@ the same curves read from the CSV path."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from logwriters import write_events, write_wandb_runs
 from synthetic import synthetic_family
 
 from collapse import curves as C
@@ -26,18 +23,6 @@ from collapse.validate import InputError
 SIZES = {"s1": 3.4, "s2": 3.1, "s4": 2.8}
 STEPS = 300
 META = ["size", "seed", "tpp", "tau", "steps"]
-
-
-def write_events(folder: Path, tag: str, steps, values, extra: dict | None = None) -> None:
-    """One writer, one event file, like a training job's rank 0."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(folder))
-    for step, value in zip(steps, values, strict=True):
-        writer.add_scalar(tag, float(value), int(step))
-        for name, scale in (extra or {}).items():
-            writer.add_scalar(name, scale * float(value), int(step))
-    writer.close()
 
 
 @pytest.fixture(scope="module")
@@ -181,46 +166,6 @@ def test_half_written_event_file_reads_its_complete_records(tmp_path):
 
 
 # ---------------------------------------------------------------- W&B
-
-OFFLINE_ENV = {
-    "WANDB_MODE": "offline",
-    "WANDB_SILENT": "true",
-    "WANDB_DISABLE_GIT": "true",
-    "WANDB_DISABLE_CODE": "true",
-    # anything that tried the network would meet a closed port
-    "WANDB_BASE_URL": "http://127.0.0.1:9",
-    "HTTP_PROXY": "http://127.0.0.1:9",
-    "HTTPS_PROXY": "http://127.0.0.1:9",
-    "NO_PROXY": "",
-}
-
-
-def write_wandb_runs(directory: Path, runs: dict[str, dict]) -> None:
-    """Offline W&B runs written by wandb itself, in a subprocess with no network."""
-    pytest.importorskip("wandb", reason="wandb writes the offline runs this test reads")
-    directory.mkdir(parents=True, exist_ok=True)
-    payload = directory / "runs.json"
-    payload.write_text(json.dumps(runs))
-    script = textwrap.dedent(
-        """
-        import json, sys, wandb
-        runs = json.load(open(sys.argv[1]))
-        for name, run in runs.items():
-            r = wandb.init(project="family", name=name, group="fam", dir=sys.argv[2],
-                           config=run["config"], settings=wandb.Settings(x_disable_stats=True))
-            for step, value in zip(run["steps"], run["loss"]):
-                r.log({run.get("tag", "lm loss"): value, "lr": 1e-3}, step=step)
-            r.finish()
-        """
-    )
-    env = {**os.environ, **OFFLINE_ENV, "WANDB_DIR": str(directory)}
-    subprocess.run(
-        [sys.executable, "-c", script, str(payload), str(directory)],
-        check=True,
-        env=env,
-        timeout=240,
-        cwd=directory,
-    )
 
 
 @pytest.fixture(scope="module")

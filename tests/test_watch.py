@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from logwriters import write_wandb_runs
 from synthetic import synthetic_family
 
 from collapse import analysis as A
@@ -166,3 +167,27 @@ def test_watch_without_total_steps_or_loss_tag(family, tmp_path):
     )
     watcher.poll()
     assert any("skip r: its total steps are unknown" in line for line in said)
+
+
+def test_watch_reads_wandb_runs_as_they_grow(family, tmp_path):
+    """A .wandb file cut inside a record, then whole: the watcher reads on to the end."""
+    losses, reference = family
+    steps = list(range(1, STEPS + 1))
+    runs = {r: {"config": {}, "steps": steps, "loss": loss.tolist()} for r, loss in losses.items()}
+    write_wandb_runs(tmp_path / "w", runs)
+    files = sorted((tmp_path / "w" / "wandb").glob("offline-run-*/run-*.wandb"))
+    data = {f: f.read_bytes() for f in files}
+    for f in files:
+        f.write_bytes(data[f][: len(data[f]) // 2 + 5])
+    said: list[str] = []
+    watcher = Watcher(tmp_path / "w", reference, tmp_path / "out", steps=STEPS, echo=said.append)
+    watcher.poll()
+    assert set(watcher.runs) == {"clean", "faulty"}
+    assert all(0 < w.last_step < STEPS for w in watcher.runs.values())
+    for f in files:
+        f.write_bytes(data[f])
+    watcher.poll()
+    assert watcher.complete()
+    assert [line.split(":")[0] for line in said if line.startswith("ALARM")] == ["ALARM faulty"]
+    assert watcher.runs["faulty"].gate.status == "fail"
+    assert watcher.runs["clean"].gate.status == "pass"

@@ -324,6 +324,36 @@ def read_wandb_run(path: Path) -> RunLog:
     return run
 
 
+class WandbDir:
+    """The W&B runs below a folder (offline, or the local copy an online run keeps), re-read
+    when their ``.wandb`` file grows (``poll``), for ``collapse watch``."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.sizes: dict[Path, int] = {}
+        self.runs: dict[str, RunLog] = {}
+        self.names: dict[Path, str] = {}
+
+    def poll(self) -> set[str]:
+        grew = set()
+        files = [self.root] if self.root.is_file() else _wandb_files(self.root)
+        for path in files:
+            size = path.stat().st_size
+            if self.sizes.get(path) == size:
+                continue
+            self.sizes[path] = size
+            run = read_wandb_run(path)
+            if self.names.get(path, run.name) != run.name:
+                run.name = self.names[path]  # keep the name the run was first watched under
+            self.names[path] = run.name
+            other = self.runs.get(run.name)
+            if other is not None and other.source != run.source:
+                check_unique([other, run])
+            self.runs[run.name] = run
+            grew.add(run.name)
+        return grew
+
+
 # ---------------------------------------------------------------- W&B history exports
 
 _UI_COLUMN = re.compile(r"^(?P<run>.+?) - (?P<metric>.+)$")

@@ -1,7 +1,9 @@
 """``collapse watch``: the online collapse monitor on runs another stack is training now.
 
 Polls a TensorBoard log directory (``collapse.logreaders``: every folder with event files is a
-run, read incrementally; a record still being written is read on a later poll). Each run with a
+run, read incrementally; a record still being written is read on a later poll), or a folder of
+W&B runs (their ``run-<id>.wandb`` files, offline or the local copy of an online run, re-read
+when they grow; the folder must hold one when the watch starts). Each run with a
 loss tag and a known length (its ``steps`` in the ``--runs`` table, else ``--steps``) feeds an
 ``OnlineMonitor`` (collapse.monitor): the same early-align, smoothing and threshold as the
 monitor inside this project's training loop. Per run, under ``--out``:
@@ -113,7 +115,11 @@ class Watcher:
         self.steps = steps
         self.loss_tag = loss_tag
         self.meta = runs_table.set_index("run") if runs_table is not None else None
-        self.tb = L.TensorBoardDir(self.logdir)
+        self.tb: L.TensorBoardDir | L.WandbDir = (
+            L.WandbDir(self.logdir)
+            if self.logdir.name.endswith(".wandb") or L._wandb_files(self.logdir)
+            else L.TensorBoardDir(self.logdir)
+        )
         self.runs: dict[str, WatchedRun] = {}
         self.skipped: dict[str, str] = {}  # run -> why it is not watched (said once)
         self.echo = echo
@@ -349,7 +355,9 @@ def add_cli(subparsers) -> None:
         "(the gate verdict so far).\nA run's total steps come from --runs (steps column) or "
         "--steps; runs without them are skipped with a message.",
     )
-    parser.add_argument("logdir", metavar="LOGDIR", help="TensorBoard log directory")
+    parser.add_argument(
+        "logdir", metavar="LOGDIR", help="TensorBoard log directory, or a folder of W&B runs"
+    )
     parser.add_argument(
         "--reference",
         required=True,
