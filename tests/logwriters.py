@@ -39,7 +39,11 @@ OFFLINE_ENV = {
 
 
 def write_wandb_runs(directory: Path, runs: dict[str, dict]) -> None:
-    """Offline W&B runs written by wandb itself, in a subprocess with no network."""
+    """Offline W&B runs written by wandb itself, in a subprocess with no network.
+
+    ``runs``: key -> {config, steps, loss, and optionally name (else the key), tag, id (a run
+    id: a second entry with the same id resumes that run, in a folder of its own)}.
+    """
     pytest.importorskip("wandb", reason="wandb writes the offline runs this test reads")
     directory.mkdir(parents=True, exist_ok=True)
     payload = directory / "runs.json"
@@ -49,8 +53,10 @@ def write_wandb_runs(directory: Path, runs: dict[str, dict]) -> None:
         import json, sys, wandb
         runs = json.load(open(sys.argv[1]))
         for name, run in runs.items():
-            r = wandb.init(project="family", name=name, group="fam", dir=sys.argv[2],
-                           config=run["config"], settings=wandb.Settings(x_disable_stats=True))
+            r = wandb.init(project="family", name=run.get("name", name), group="fam",
+                           dir=sys.argv[2], config=run["config"], id=run.get("id"),
+                           resume="allow" if run.get("id") else None,
+                           settings=wandb.Settings(x_disable_stats=True))
             for step, value in zip(run["steps"], run["loss"]):
                 r.log({run.get("tag", "lm loss"): value, "lr": 1e-3}, step=step)
             r.finish()

@@ -210,6 +210,22 @@ def test_wandb_runs_with_the_same_name(tmp_path):
         C.read_curves([tmp_path / "a", tmp_path / "b"])
 
 
+def test_resumed_wandb_run_is_one_run(tmp_path):
+    """A W&B run resumed from the checkpoint at step 100 writes a second folder, same id."""
+    first = {"config": {}, "steps": list(range(1, 151)), "loss": [4.0] * 150, "id": "abc123"}
+    again = {"config": {"steps": 300}, "steps": list(range(101, 301)), "loss": [3.0] * 200}
+    again |= {"id": "abc123", "name": "d64"}
+    write_wandb_runs(tmp_path, {"d64": first, "d64 resumed": again})
+    assert len(list((tmp_path / "wandb").glob("offline-run-*abc123"))) == 2
+    with pytest.warns(L.LogStitchWarning, match="first at step 101"):
+        curves = C.read_curves(tmp_path)
+    assert curves.runs == ["d64"] and curves.meta.loc["d64", "steps"] == 300
+    data = curves.data
+    np.testing.assert_array_equal(data["step"], np.arange(1, 301))
+    assert (data["loss"][data["step"] <= 100] == 4.0).all()
+    assert (data["loss"][data["step"] > 100] == 3.0).all()
+
+
 def test_half_written_wandb_file(wandb_family, tmp_path):
     _, _, directory = wandb_family
     source = sorted((directory / "wandb").glob("offline-run-*/run-*.wandb"))[0]

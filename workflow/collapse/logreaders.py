@@ -103,6 +103,7 @@ class RunLog:
     kind: str  # "tensorboard", "wandb" or "wandb export"
     scalars: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    run_id: str = ""  # W&B's run id: the folders of one resumed W&B run share it
 
     def add(self, tag: str, step: int, value: float) -> None:
         self.scalars.setdefault(tag, []).append((int(step), float(value)))
@@ -299,6 +300,7 @@ def read_wandb_run(path: Path) -> RunLog:
         which = record.WhichOneof("record_type")
         if which == "run":
             run.name = record.run.display_name or record.run.run_id or run.name
+            run.run_id = record.run.run_id
             for item in record.run.config.update:
                 config[item.key or ".".join(item.nested_key)] = _json_value(item.value_json)
         elif which == "config":
@@ -428,8 +430,27 @@ def collect(sources: Sequence[str | Path]) -> list[RunLog]:
                 runs += tb.runs.values()
             if source.is_dir():
                 runs += [read_wandb_run(f) for f in _wandb_files(source)]
+    runs = merge_resumed(runs)
     check_unique(runs)
     return runs
+
+
+def merge_resumed(runs: Sequence[RunLog]) -> list[RunLog]:
+    """One run from the folders of a resumed W&B run (same run id; a folder per job, in the
+    order their names sort: by start time); its steps are stitched like any restart."""
+    out: list[RunLog] = []
+    by_id: dict[str, RunLog] = {}
+    for run in sorted(runs, key=lambda r: (r.kind != "wandb", str(r.source))):
+        first = by_id.get(run.run_id) if run.kind == "wandb" and run.run_id else None
+        if first is None:
+            out.append(run)
+            if run.kind == "wandb" and run.run_id:
+                by_id[run.run_id] = run
+            continue
+        for tag, points in run.scalars.items():
+            first.scalars.setdefault(tag, []).extend(points)
+        first.meta = {**first.meta, **run.meta}
+    return out
 
 
 def check_unique(runs: Sequence[RunLog]) -> None:

@@ -128,10 +128,14 @@ class Watcher:
     # ------------------------------------------------------------ one poll
 
     def _total_steps(self, name: str) -> int | None:
+        """From --runs, else the run's own log (a W&B config's steps), else --steps."""
         if self.meta is not None and name in self.meta.index and "steps" in self.meta.columns:
             value = self.meta.loc[name, "steps"]
             if pd.notna(value):
                 return int(value)
+        logged = self.tb.runs[name].meta.get("steps")
+        if isinstance(logged, (int, float)) and logged > 0:
+            return int(logged)
         return self.steps
 
     def _skip(self, name: str, why: str) -> None:
