@@ -8,9 +8,8 @@ Sources
 -------
 - TensorBoard: a directory holding ``events.out.tfevents.*`` files (at any depth). Every
   folder with event files is one run, named by its path below the directory given (the
-  directory's own name when the files lie in it). Read with TensorBoard's own
-  ``EventFileLoader``, which stops at the last complete record of a file that is still being
-  written and resumes from there on the next read.
+  directory's own name when the files lie in it). Records are decoded with TensorBoard's own
+  protobuf classes (``EventTail``); a record still being written is left for the next read.
 - W&B offline runs: a ``wandb/offline-run-*`` (or ``run-*``) folder, or any directory above
   such folders, holding ``run-<id>.wandb``. The file is W&B's record log (a LevelDB-style log of
   ``wandb_internal_pb2.Record`` protobufs, decoded with wandb's own protobuf classes); a run is
@@ -162,47 +161,83 @@ def is_log_source(path: str | Path) -> bool:
 # ---------------------------------------------------------------- TensorBoard
 
 
-def _scalar(value) -> float | None:
-    """A summary value's scalar (TensorBoard migrates simple_value to a tensor on load)."""
-    from tensorboard.util import tensor_util
+_DT_FLOAT, _DT_DOUBLE = 1, 2  # tensorflow DataType
 
-    if value.HasField("tensor"):
-        array = tensor_util.make_ndarray(value.tensor)
-        if array.size == 1 and array.dtype.kind in "fiub":
-            return float(array.reshape(()))
-        return None
-    if value.HasField("simple_value"):
+
+def _scalar(value) -> float | None:
+    """A summary value's scalar: ``simple_value`` (torch's SummaryWriter, tensorboardX) or a
+    one-element tensor (TensorFlow 2's tf.summary.scalar); None for anything else."""
+    kind = value.WhichOneof("value")
+    if kind == "simple_value":
         return float(value.simple_value)
+    if kind != "tensor" or value.tensor.tensor_shape.dim:
+        return None
+    tensor = value.tensor
+    if len(tensor.float_val) == 1:
+        return float(tensor.float_val[0])
+    if len(tensor.double_val) == 1:
+        return float(tensor.double_val[0])
+    if tensor.dtype == _DT_FLOAT and len(tensor.tensor_content) == 4:
+        return struct.unpack("<f", tensor.tensor_content)[0]
+    if tensor.dtype == _DT_DOUBLE and len(tensor.tensor_content) == 8:
+        return struct.unpack("<d", tensor.tensor_content)[0]
     return None
 
 
 class EventTail:
-    """One event file read incrementally: each ``read`` returns the complete records written
-    since the previous one (TensorBoard's loader stops at a half-written record and resumes)."""
+    """One event file read incrementally: each ``read`` returns the scalars of the complete
+    records written since the previous one; a record still being written is left for later.
+
+    The file is a TFRecord stream (uint64 length, masked CRC-32C of the length, the serialized
+    ``Event`` of TensorBoard's own protobuf, masked CRC-32C of it). Each record's header CRC is
+    checked with TensorBoard's own ``masked_crc32c``; the payload's is not (TensorBoard's
+    pure-Python CRC would cost ten times the parse): a garbled payload fails the protobuf parse,
+    and a bad header stops the read with a note, never an exception.
+    """
+
+    HEADER = struct.Struct("<QI")
 
     def __init__(self, path: Path):
-        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
         self.path = path
-        self._loader = EventFileLoader(str(path))
+        self.offset = 0
+        self.broken = False
 
     def read(self) -> list[tuple[str, int, float]]:
-        out = []
-        try:
-            for event in self._loader.Load():
-                if not event.HasField("summary"):
-                    continue
-                for value in event.summary.value:
-                    scalar = _scalar(value)
-                    if scalar is not None:
-                        out.append((value.tag, int(event.step), scalar))
-        except Exception as err:  # noqa: BLE001 - a corrupt record ends what can be read now
-            warnings.warn(
-                f"{self.path}: read up to a record that cannot be decoded "
-                f"({type(err).__name__}: {err})",
-                LogGapWarning,
-                stacklevel=2,
-            )
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        if self.broken:
+            return []
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            data = handle.read()
+        out, pos, header = [], 0, self.HEADER
+        while len(data) - pos >= header.size:
+            length, crc = header.unpack_from(data, pos)
+            if masked_crc32c(data[pos : pos + 8]) != crc:
+                self.broken = True
+                warnings.warn(
+                    f"{self.path}: a record header fails its checksum at byte "
+                    f"{self.offset + pos}; the file is read up to there",
+                    LogGapWarning,
+                    stacklevel=2,
+                )
+                break
+            end = pos + header.size + length + 4
+            if end > len(data):
+                break  # the writer has not finished this record
+            try:
+                event = event_pb2.Event.FromString(data[pos + header.size : end - 4])
+            except Exception:  # noqa: BLE001 - a garbled record: skip it
+                event = None
+            pos = end
+            if event is None or not event.HasField("summary"):
+                continue
+            for value in event.summary.value:
+                scalar = _scalar(value)
+                if scalar is not None:
+                    out.append((value.tag, event.step, scalar))
+        self.offset += pos
         return out
 
 
