@@ -53,6 +53,8 @@ def _show_notes() -> None:
     from collapse.logreaders import LogNote
 
     default = warnings.showwarning
+    if getattr(default, "shows_notes", False):
+        return
 
     def show(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, LogNote):
@@ -60,6 +62,7 @@ def _show_notes() -> None:
         else:
             default(message, category, filename, lineno, file, line)
 
+    show.shows_notes = True
     warnings.showwarning = show
 
 
