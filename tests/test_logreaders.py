@@ -90,7 +90,14 @@ def test_predict_reads_tensorboard(family, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "tag", ["loss_metrics/global_avg_loss", "train/CE loss", "train/loss", "lm loss"]
+    "tag",
+    [
+        "loss_metrics/global_avg_loss",
+        "train/CE loss",
+        "reduced_train_loss",
+        "train/loss",
+        "lm loss",
+    ],
 )
 def test_each_known_tag_is_found(tmp_path, tag):
     write_events(tmp_path / "run", tag, range(1, 21), np.linspace(4, 3, 20), {"grad_norm": 1})

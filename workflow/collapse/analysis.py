@@ -897,7 +897,8 @@ def add_cli(subparsers) -> None:
         default=None,
         metavar="TAG",
         help="the loss's tag in TensorBoard/W&B logs (default: the first of 'lm loss', "
-        "'loss_metrics/global_avg_loss', 'train/CE loss', 'train/loss' a run logs)",
+        "'loss_metrics/global_avg_loss', 'train/CE loss', 'reduced_train_loss', 'train/loss' "
+        "a run logs)",
     )
     smoothing = parser.add_mutually_exclusive_group()
     smoothing.add_argument(

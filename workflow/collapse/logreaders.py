@@ -31,6 +31,9 @@ against each project's source:
 - ``loss_metrics/global_avg_loss``: torchtitan, ``MetricsProcessor.log`` in
   ``torchtitan/components/metrics.py`` (TensorBoard and W&B loggers, per logged step);
 - ``train/CE loss``: OLMo-core, ``TRAIN_CE_LOSS_METRIC`` in ``src/olmo_core/train/common.py``;
+- ``reduced_train_loss``: NeMo, logged by ``MegatronGPTModel.training_step`` in
+  ``nemo/collections/nlp/models/language_modeling/megatron_gpt_model.py`` (Lightning loggers,
+  at the global step);
 - ``train/loss``: this project's own runs (``collapse.tracking``).
 
 Per-run metadata the logs lack (size, TPP, tau, total steps) comes from a sidecar table: the
@@ -69,6 +72,7 @@ LOSS_TAGS: tuple[tuple[str, str], ...] = (
     ("lm loss", "Megatron-LM"),
     ("loss_metrics/global_avg_loss", "torchtitan"),
     ("train/CE loss", "OLMo-core"),
+    ("reduced_train_loss", "NeMo"),
     ("train/loss", "collapse"),
 )
 # per-run metadata a W&B config may hold under these names
