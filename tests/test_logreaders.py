@@ -324,6 +324,17 @@ def test_export_with_a_logged_nan_keeps_it(family, tmp_path):
     assert curves.data["loss"].isna().sum() == 2
 
 
+def test_json_lines_export_with_missing_keys_reports_the_gaps(tmp_path):
+    """A history row without the loss (another metric logged at that step) is no NaN loss."""
+    rows = [{"_step": s, "lm loss": 4.0 - s / 100} for s in range(1, 41)]
+    rows[10:15] = [{"_step": s, "lr": 0.1} for s in range(11, 16)]
+    path = tmp_path / "run.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.warns(L.LogGapWarning, match="at steps 11-15"):
+        curves = C.read_curves(path)
+    assert len(curves.data) == 35 and curves.data["loss"].notna().all()
+
+
 def test_yaml_sidecar_must_name_runs(tmp_path):
     bad = tmp_path / "runs.yaml"
     bad.write_text("- 1\n- 2\n")

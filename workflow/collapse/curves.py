@@ -151,8 +151,8 @@ def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
         files = sorted(source.glob("**/curve.parquet"))
     if not files:
         raise V.fail(
-            "no curve.parquet below this directory",
-            "give curve files or a results/<family> directory",
+            "no curve.parquet, TensorBoard event files or W&B runs below this directory",
+            "give curve files, a results/<family> directory or a log directory",
             str(source),
         )
     if not runs_csv.is_file() and (source.parent / "plan" / "runs.csv").is_file():
@@ -179,8 +179,9 @@ def read_curves(
         sources = [sources]
     from collapse import logreaders
 
-    logs = [s for s in sources if logreaders.is_log_source(s)]
-    sources = [s for s in sources if not logreaders.is_log_source(s)]
+    is_log = [logreaders.is_log_source(s) for s in sources]
+    logs = [s for s, log in zip(sources, is_log, strict=True) if log]
+    sources = [s for s, log in zip(sources, is_log, strict=True) if not log]
     files, frames, found_meta = [], [], []
     if logs:
         frames, labels = logreaders.read_logs(logs, loss_tag)

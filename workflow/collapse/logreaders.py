@@ -409,8 +409,11 @@ def _read_export_rows(path: Path) -> pd.DataFrame:
             rows = json.loads(text)
         else:
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        frame = pd.DataFrame(rows)
-        return frame.map(lambda v: "" if v is None else str(v)).astype(object)
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        return pd.DataFrame(
+            {c: ["" if row.get(c) is None else str(row[c]) for row in rows] for c in columns},
+            dtype=object,
+        )
     sep = "\t" if ".tsv" in suffixes else ","
     return pd.read_csv(path, sep=sep, dtype=str, keep_default_na=False, na_values=[])
 
