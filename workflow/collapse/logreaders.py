@@ -348,7 +348,7 @@ def read_wandb_run(path: Path) -> RunLog:
         elif which == "history":
             step = record.history.step.num
             for item in record.history.item:
-                key = item.key or "/".join(item.nested_key)
+                key = item.key or ".".join(item.nested_key)  # W&B shows nested keys as a.b
                 if key.startswith("_"):
                     continue
                 value = _json_value(item.value_json)
