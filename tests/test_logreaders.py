@@ -136,6 +136,23 @@ def test_resumed_job_is_stitched(tmp_path):
     assert (data["loss"][data["step"] > 200] == 3.0).all()
 
 
+def test_a_runs_folders_joined_by_the_sidecars_log_column(tmp_path):
+    """torchtitan starts a folder per job (tb/<date-time>): the sidecar says whose they are."""
+    write_events(
+        tmp_path / "20260101-1200", "loss_metrics/global_avg_loss", range(1, 151), [4.0] * 150
+    )
+    write_events(
+        tmp_path / "20260101-1400", "loss_metrics/global_avg_loss", range(101, 301), [3.0] * 200
+    )
+    sidecar = tmp_path.parent / f"{tmp_path.name}-runs.csv"
+    sidecar.write_text("run,log,size,steps\nd64,20260101-1200,d64,300\nd64,20260101-1400,d64,300\n")
+    with pytest.warns(L.LogStitchWarning, match="first at step 101"):
+        curves = C.read_curves(tmp_path, sidecar)
+    assert curves.runs == ["d64"] and curves.meta.loc["d64", "size"] == "d64"
+    np.testing.assert_array_equal(curves.data["step"], np.arange(1, 301))
+    assert (curves.data["loss"][curves.data["step"] > 100] == 3.0).all()
+
+
 def test_counter_back_to_the_start_is_refused(tmp_path):
     run = tmp_path / "run"
     write_events(run, "lm loss", range(1, 101), np.full(100, 4.0))

@@ -183,8 +183,12 @@ def read_curves(
     logs = [s for s, log in zip(sources, is_log, strict=True) if log]
     sources = [s for s, log in zip(sources, is_log, strict=True) if not log]
     files, frames, found_meta = [], [], []
+    runs_name = "runs table"
+    if isinstance(runs_csv, (str, Path)):
+        runs_name, runs_csv = str(runs_csv), read_table(runs_csv)
     if logs:
-        frames, labels = logreaders.read_logs(logs, loss_tag)
+        runs_csv, logs_of = logreaders.split_log_column(runs_csv, runs_name)
+        frames, labels = logreaders.read_logs(logs, loss_tag, logs_of)
         files = [Path(label) for label in labels]
     for source in sources:
         found, meta_path = _expand_source(Path(source))
@@ -193,10 +197,7 @@ def read_curves(
         if meta_path is not None:
             found_meta.append(meta_path)
     if runs_csv is None and found_meta:
-        runs_csv = found_meta[0]
-    runs_name = "runs table"
-    if isinstance(runs_csv, (str, Path)):
-        runs_name, runs_csv = str(runs_csv), read_table(runs_csv)
+        runs_name, runs_csv = str(found_meta[0]), read_table(found_meta[0])
     origin = V.Origin.of_files(files, [len(f) for f in frames])
     for path, frame in zip(files, frames, strict=True):
         V.check_columns(frame, V.Origin.of_files([path], [len(frame)]))

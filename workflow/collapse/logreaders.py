@@ -457,8 +457,51 @@ def read_wandb_export(path: Path) -> list[RunLog]:
 # ---------------------------------------------------------------- from logs to curves
 
 
-def collect(sources: Sequence[str | Path]) -> list[RunLog]:
-    """Every run behind the given log sources; two runs with the same name are refused."""
+def split_log_column(
+    table: pd.DataFrame | None, name: str
+) -> tuple[pd.DataFrame | None, dict[str, str]]:
+    """(the runs table without its ``log`` column, log folder -> run).
+
+    A ``log`` column names, per row, a log folder (as the reader names it: the folder's path
+    below the directory given, or a W&B run's name) that belongs to the row's run; several rows
+    may give one run several folders (a stack that starts a new folder per job, as torchtitan
+    does), which are stitched in the order of the rows.
+    """
+    if table is None or "log" not in table.columns:
+        return table, {}
+    if "run" not in table.columns:
+        raise V.fail("no column run", "name each log folder's run in a column 'run'", name)
+    logs = table["log"].astype(str)
+    dup = logs.duplicated(keep=False).to_numpy()
+    if dup.any():
+        raise V.fail(
+            f"log folder {logs[dup].iloc[0]!r} is given to more than one row",
+            "give each log folder once",
+            name,
+        )
+    logs_of = dict(zip(logs, table["run"].astype(str), strict=True))
+    return table.drop(columns="log").drop_duplicates(), logs_of
+
+
+def _assign_logs(runs: list[RunLog], logs_of: dict[str, str]) -> list[RunLog]:
+    """Rename log folders to their runs and stitch a run's folders in the table's order."""
+    order = {log: i for i, log in enumerate(logs_of)}
+    named = sorted((run for run in runs if run.name in logs_of), key=lambda run: order[run.name])
+    out = [run for run in runs if run.name not in logs_of]
+    merged: dict[str, RunLog] = {}
+    for run in named:
+        target = logs_of[run.name]
+        if target not in merged:
+            merged[target] = RunLog(target, run.source, run.kind, meta=dict(run.meta))
+            out.append(merged[target])
+        for tag, points in run.scalars.items():
+            merged[target].scalars.setdefault(tag, []).extend(points)
+    return out
+
+
+def collect(sources: Sequence[str | Path], logs_of: dict[str, str] | None = None) -> list[RunLog]:
+    """Every run behind the given log sources (log folders renamed and joined by ``logs_of``,
+    see ``split_log_column``); two runs with the same name are refused."""
     runs: list[RunLog] = []
     for source in map(Path, sources):
         if source.is_file() and source.name.endswith(".wandb"):
@@ -473,6 +516,8 @@ def collect(sources: Sequence[str | Path]) -> list[RunLog]:
             if source.is_dir():
                 runs += [read_wandb_run(f) for f in _wandb_files(source)]
     runs = merge_resumed(runs)
+    if logs_of:
+        runs = _assign_logs(runs, logs_of)
     check_unique(runs)
     return runs
 
@@ -619,10 +664,12 @@ def run_frame(run: RunLog, tag: str) -> pd.DataFrame:
 
 
 def read_logs(
-    sources: Sequence[str | Path], loss_tag: str | None = None
+    sources: Sequence[str | Path],
+    loss_tag: str | None = None,
+    logs_of: dict[str, str] | None = None,
 ) -> tuple[list[pd.DataFrame], list[str]]:
     """(one curve frame per run, a label per frame naming its source and tag)."""
-    found = choose_runs(collect(sources), loss_tag)
+    found = choose_runs(collect(sources, logs_of), loss_tag)
     frames = [run_frame(run, tag) for run, tag in found]
     labels = [f"{run.kind} run {run.name} ({run.source}, tag {tag!r})" for run, tag in found]
     return frames, labels
