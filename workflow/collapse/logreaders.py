@@ -38,7 +38,8 @@ against each project's source:
 
 Per-run metadata the logs lack (size, TPP, tau, total steps) comes from a sidecar table: the
 ``--runs`` table of the CLIs (CSV, Parquet or YAML with a ``run`` column or a mapping run ->
-values).
+values). Its optional ``log`` column gives a run the log folders a stack started per job
+(``split_log_column``); the folders of a resumed W&B run (one run id) are joined without it.
 
 Bad input
 ---------
