@@ -213,6 +213,7 @@ def load_matrix(
     window_seqs: int | None = None,
     grid: np.ndarray | None = None,
     align_window: tuple[float, float] = ALIGN_WINDOW,
+    loss_tag: str | None = None,
 ) -> C.CurveMatrix:
     """Read, check, smooth and resample curves (see collapse.curves for the input formats).
 
@@ -224,7 +225,7 @@ def load_matrix(
         meta = C.read_table(runs_csv) if isinstance(runs_csv, (str, Path)) else runs_csv
         curves = C.curves_from_frame(sources, meta)
     else:
-        curves = C.read_curves(sources, runs_csv)
+        curves = C.read_curves(sources, runs_csv, loss_tag)
     data = curves.data
     finite = np.isfinite(data["loss"].to_numpy(float))
     inside = finite & data["t_hat"].between(*align_window).to_numpy()
@@ -714,6 +715,7 @@ def analyze(
     late_window: tuple[float, float] = LATE_WINDOW,
     plots: str = "failed",
     force: bool = False,
+    loss_tag: str | None = None,
 ) -> dict:
     """``collapse analyze``: statistics, reference, surrogate and every run's gate in ``out_dir``.
 
@@ -729,7 +731,12 @@ def analyze(
     mode = _output_mode(out, [] if isinstance(sources, pd.DataFrame) else listed, force)
     policy = policy or GatePolicy()
     matrix = load_matrix(
-        sources, runs_csv, window_steps, window_seqs, align_window=policy.align_window
+        sources,
+        runs_csv,
+        window_steps,
+        window_seqs,
+        align_window=policy.align_window,
+        loss_tag=loss_tag,
     )
     check_offset(matrix.meta, offset)
     sizes = C.ordered_sizes(matrix.meta)
@@ -816,7 +823,9 @@ def _write_analysis(
 # ---------------------------------------------------------------- command line
 
 INPUT_HELP = """\
-input: CURVES are CSV/Parquet files, run directories or results/<family> directories.
+input: CURVES are CSV/Parquet files, run directories or results/<family> directories, or
+  other stacks' logs: TensorBoard event directories, W&B offline run folders and W&B history
+  exports (docs/curves.md; the loss tag: --loss-tag, metadata the logs lack: --runs).
   A curve table has one row per logged step with columns run, step, loss:
     run   (str)   run name
     step  (int)   optimizer step
@@ -880,7 +889,16 @@ def add_cli(subparsers) -> None:
         "--runs",
         default=None,
         metavar="TABLE",
-        help="per-run metadata table (CSV/Parquet with a run column)",
+        help="per-run metadata table (CSV/Parquet/YAML with a run column): size, tpp, tau, "
+        "steps of runs read from logs that lack them",
+    )
+    parser.add_argument(
+        "--loss-tag",
+        default=None,
+        metavar="TAG",
+        help="the loss's tag in TensorBoard/W&B logs (default: the first of 'lm loss', "
+        "'loss_metrics/global_avg_loss', 'train/CE loss', 'reduced_train_loss', 'train/loss' "
+        "a run logs)",
     )
     smoothing = parser.add_mutually_exclusive_group()
     smoothing.add_argument(
@@ -982,6 +1000,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         late_window=args.late_window,
         plots=args.plots,
         force=args.force,
+        loss_tag=args.loss_tag,
     )
     decided = {True: "yes", False: "no"}
     verdict = decided.get(

@@ -30,6 +30,7 @@ SUBCOMMANDS = {
     "evaluate": "collapse.evaluate",
     "report": "collapse.report",
     "stage": "collapse.stages",
+    "watch": "collapse.watch",
 }
 
 
@@ -45,10 +46,31 @@ def build_parser(modules: dict[str, str] = SUBCOMMANDS) -> argparse.ArgumentPars
     return parser
 
 
+def _show_notes() -> None:
+    """Notes about the input (``collapse.logreaders.LogNote``) print as one ``note:`` line."""
+    import warnings
+
+    from collapse.logreaders import LogNote
+
+    default = warnings.showwarning
+    if getattr(default, "shows_notes", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, LogNote):
+            print(f"note: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    show.shows_notes = True
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     from collapse.validate import InputError
 
     args = build_parser().parse_args(argv)
+    _show_notes()
     try:
         return int(args.func(args) or 0)
     except (InputError, FileNotFoundError) as err:

@@ -113,6 +113,10 @@ def read_table(path: str | Path) -> pd.DataFrame:
             return pd.read_parquet(path)
         if ".csv" in suffixes or ".tsv" in suffixes:
             return pd.read_csv(path, sep="\t" if ".tsv" in suffixes else ",")
+        if ".yaml" in suffixes or ".yml" in suffixes:  # a runs table (collapse.logreaders)
+            from collapse.logreaders import read_sidecar
+
+            return read_sidecar(path)
     except pd.errors.EmptyDataError:
         raise V.fail(
             "the file is empty", "give a table with a header line and rows", str(path)
@@ -125,7 +129,11 @@ def read_table(path: str | Path) -> pd.DataFrame:
             "give a well-formed CSV or Parquet file",
             str(path),
         ) from None
-    raise V.fail("unknown file type", "give a .csv, .csv.gz, .tsv or .parquet file", str(path))
+    raise V.fail(
+        "unknown file type",
+        "give a .csv, .csv.gz, .tsv, .parquet (or a .yaml runs) file",
+        str(path),
+    )
 
 
 def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
@@ -143,8 +151,8 @@ def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
         files = sorted(source.glob("**/curve.parquet"))
     if not files:
         raise V.fail(
-            "no curve.parquet below this directory",
-            "give curve files or a results/<family> directory",
+            "no curve.parquet, TensorBoard event files or W&B runs below this directory",
+            "give curve files, a results/<family> directory or a log directory",
             str(source),
         )
     if not runs_csv.is_file() and (source.parent / "plan" / "runs.csv").is_file():
@@ -155,18 +163,33 @@ def _expand_source(source: Path) -> tuple[list[Path], Path | None]:
 def read_curves(
     sources: str | Path | Sequence[str | Path],
     runs_csv: str | Path | pd.DataFrame | None = None,
+    loss_tag: str | None = None,
 ) -> Curves:
     """Curves from files or directories, with per-run metadata attached and checked.
 
     ``sources``: CSV/Parquet files with ``run, step, loss`` (+ optional ``tokens``, ``t_hat``
     and per-run metadata columns), run directories holding ``curve.parquet``, or a
-    ``results/<family>`` directory. ``runs_csv``: a table with one row per ``run`` (the plan's
-    ``runs.csv``); found automatically next to a family directory when not given.
-    Input that breaks the curve contract (``collapse.validate``) raises ``InputError``.
+    ``results/<family>`` directory; or other stacks' logs (TensorBoard event directories, W&B
+    run folders and history exports: ``collapse.logreaders``, whose loss is ``loss_tag`` or the
+    first known tag). ``runs_csv``: a table with one row per ``run`` (the plan's ``runs.csv``,
+    or a sidecar of the logs' runs); found automatically next to a family directory when not
+    given. Input that breaks the curve contract (``collapse.validate``) raises ``InputError``.
     """
     if isinstance(sources, (str, Path)):
         sources = [sources]
+    from collapse import logreaders
+
+    is_log = [logreaders.is_log_source(s) for s in sources]
+    logs = [s for s, log in zip(sources, is_log, strict=True) if log]
+    sources = [s for s, log in zip(sources, is_log, strict=True) if not log]
     files, frames, found_meta = [], [], []
+    runs_name = "runs table"
+    if isinstance(runs_csv, (str, Path)):
+        runs_name, runs_csv = str(runs_csv), read_table(runs_csv)
+    if logs:
+        runs_csv, logs_of = logreaders.split_log_column(runs_csv, runs_name)
+        frames, labels = logreaders.read_logs(logs, loss_tag, logs_of)
+        files = [Path(label) for label in labels]
     for source in sources:
         found, meta_path = _expand_source(Path(source))
         files += found
@@ -174,10 +197,7 @@ def read_curves(
         if meta_path is not None:
             found_meta.append(meta_path)
     if runs_csv is None and found_meta:
-        runs_csv = found_meta[0]
-    runs_name = "runs table"
-    if isinstance(runs_csv, (str, Path)):
-        runs_name, runs_csv = str(runs_csv), read_table(runs_csv)
+        runs_name, runs_csv = str(found_meta[0]), read_table(found_meta[0])
     origin = V.Origin.of_files(files, [len(f) for f in frames])
     for path, frame in zip(files, frames, strict=True):
         V.check_columns(frame, V.Origin.of_files([path], [len(frame)]))

@@ -570,7 +570,18 @@ def add_cli(subparsers) -> None:
         metavar="L0",
         help="irreducible loss subtracted before normalizing (default 0, the paper's choice)",
     )
-    parser.add_argument("--runs-csv", type=Path, help="per-run metadata table with a run column")
+    parser.add_argument(
+        "--runs-csv",
+        "--runs",
+        type=Path,
+        help="per-run metadata table with a run column (CSV/Parquet/YAML)",
+    )
+    parser.add_argument(
+        "--loss-tag",
+        default=None,
+        metavar="TAG",
+        help="the loss's tag in TensorBoard/W&B logs (default: the first known one a run logs)",
+    )
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument(
         "--sweep-report",
@@ -634,7 +645,7 @@ def _cli(args: argparse.Namespace) -> int:
     """Exit status 0, or 2 with one ``error: ...`` line for bad input or flags."""
     try:
         V.check_fractions(args.fraction, "--fraction")
-        curves = smooth(read_curves(args.curves, args.runs_csv))
+        curves = smooth(read_curves(args.curves, args.runs_csv, args.loss_tag))
         if args.reference is not None:
             path = args.reference / "reference.csv" if args.reference.is_dir() else args.reference
             if path.suffix == ".json":
