@@ -269,4 +269,3 @@ def reported(*, sweeps: bool, faults: bool, contrast: bool) -> list[Artifact]:
     a category whose section the family writes."""
     has = {"": True, "sweeps": sweeps, "faults": faults, "contrast": contrast}
     return [a for a in ARTIFACTS if a.category and has[section(a.section).needs]]
-
