@@ -683,76 +683,17 @@ def plot_downstream(table: pd.DataFrame) -> Figure:
     else:
         ax = fig.subplots()
         panels = [(ax, shown)]
-    styles = {
-        "open model": (dict(marker="o", color="0.6", ms=6, ls="none"), "open models (Table 10)"),
-        "Celerity": (dict(marker="*", color="C1", ms=13, ls="-", lw=1), "Celerity (planner FLOPs)"),
-        "this family": (dict(marker="s", color="C0", ms=7, ls="none"), "this family"),
-    }
     front = shown[shown["on_frontier"]].sort_values("flops")
-    acc_span = float(shown["avg_acc_pct"].max() - shown["avg_acc_pct"].min()) if len(shown) else 1
     for panel, points in panels:
-        for group, (style, label) in styles.items():
-            rows = points[points["group"] == group].sort_values("flops")
-            if rows.empty:
-                continue
-            if group == "this family" and rows["eval_limit"].notna().any():
-                label += f" (subsampled: {int(rows['eval_limit'].dropna().iloc[0])} examples/task)"
-            if group == "this family" and (rows["eval_tasks"] < len(TASK_COLUMNS)).any():
-                label += f" ({int(rows['eval_tasks'].min())} of {len(TASK_COLUMNS)} tasks)"
-            panel.plot(rows["flops"], rows["avg_acc_pct"], label=label, zorder=3, **style)
-            if group == "Celerity":
-                for _, r in rows.iterrows():
-                    panel.annotate(
-                        str(r["model"]).removeprefix("Celerity-"),
-                        (r["flops"], r["avg_acc_pct"]),
-                        xytext=(6, -12),
-                        textcoords="offset points",
-                        fontsize=8,
-                        color="C1",
-                    )
-            if group == "this family":  # one label per size: seeds share the FLOPs
-                for _, r in rows.groupby(rows.apply(_own_label, axis=1)).first().iterrows():
-                    panel.annotate(
-                        _own_label(r),
-                        (r["flops"], r["avg_acc_pct"]),
-                        xytext=(6, -4),
-                        textcoords="offset points",
-                        fontsize=8,
-                        color="C0",
-                    )
+        _draw_downstream_points(panel, points)
         if len(front):
-            lo, hi = points["flops"].min() / 2, points["flops"].max() * 2
-            x = np.append(front["flops"].to_numpy(float), hi)
-            y = np.append(front["avg_acc_pct"].to_numpy(float), front["avg_acc_pct"].iloc[-1])
-            panel.step(
-                x,
-                y,
-                where="post",
-                color="k",
-                lw=1.3,
-                zorder=2,
-                label="Pareto frontier: best accuracy at ≤ FLOPs",
-            )
-            panel.set_xlim(lo, hi)
+            _draw_frontier(panel, front, points)
         panel.set_xscale("log")
         panel.xaxis.set_minor_formatter(NullFormatter())  # 2x10^12, 3x10^12, ... would overlap
         panel.set_xlabel("training FLOPs")
         panel.grid(alpha=0.3, which="both")
-    # frontier open models: names to the left, spread so they never overlap
-    named = front[front["group"] == "open model"]
-    if len(named):
-        heights = _spread_labels(named["avg_acc_pct"].to_numpy(float), 0.028 * acc_span)
-        for (_, r), h in zip(named.iterrows(), heights, strict=True):
-            ax.annotate(
-                r["model"],
-                (r["flops"], r["avg_acc_pct"]),
-                xytext=(r["flops"] / 2.2, h),
-                textcoords="data",
-                ha="right",
-                va="center",
-                fontsize=7,
-                arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5),
-            )
+    acc_span = float(shown["avg_acc_pct"].max() - shown["avg_acc_pct"].min()) if len(shown) else 1
+    _name_frontier_models(ax, front, acc_span)
     panels[0][0].set_ylabel("average accuracy over 7 tasks (%)")
     if split:
         ax_own.set_title("this family", fontsize=10)
@@ -770,6 +711,82 @@ def plot_downstream(table: pd.DataFrame) -> Figure:
         fontsize=11,
     )
     return fig
+
+
+_DOWNSTREAM_STYLES = {  # group -> (marker style, legend label)
+    "open model": (dict(marker="o", color="0.6", ms=6, ls="none"), "open models (Table 10)"),
+    "Celerity": (dict(marker="*", color="C1", ms=13, ls="-", lw=1), "Celerity (planner FLOPs)"),
+    "this family": (dict(marker="s", color="C0", ms=7, ls="none"), "this family"),
+}
+
+
+def _draw_downstream_points(panel, points: pd.DataFrame) -> None:
+    """Each group's models, with Celerity's sizes and this family's sizes named."""
+    for group, (style, label) in _DOWNSTREAM_STYLES.items():
+        rows = points[points["group"] == group].sort_values("flops")
+        if rows.empty:
+            continue
+        if group == "this family" and rows["eval_limit"].notna().any():
+            label += f" (subsampled: {int(rows['eval_limit'].dropna().iloc[0])} examples/task)"
+        if group == "this family" and (rows["eval_tasks"] < len(TASK_COLUMNS)).any():
+            label += f" ({int(rows['eval_tasks'].min())} of {len(TASK_COLUMNS)} tasks)"
+        panel.plot(rows["flops"], rows["avg_acc_pct"], label=label, zorder=3, **style)
+        if group == "Celerity":
+            for _, r in rows.iterrows():
+                panel.annotate(
+                    str(r["model"]).removeprefix("Celerity-"),
+                    (r["flops"], r["avg_acc_pct"]),
+                    xytext=(6, -12),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="C1",
+                )
+        if group == "this family":  # one label per size: seeds share the FLOPs
+            for _, r in rows.groupby(rows.apply(_own_label, axis=1)).first().iterrows():
+                panel.annotate(
+                    _own_label(r),
+                    (r["flops"], r["avg_acc_pct"]),
+                    xytext=(6, -4),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="C0",
+                )
+
+
+def _draw_frontier(panel, front: pd.DataFrame, points: pd.DataFrame) -> None:
+    """The Pareto frontier as a step line across the panel's FLOPs range."""
+    lo, hi = points["flops"].min() / 2, points["flops"].max() * 2
+    x = np.append(front["flops"].to_numpy(float), hi)
+    y = np.append(front["avg_acc_pct"].to_numpy(float), front["avg_acc_pct"].iloc[-1])
+    panel.step(
+        x,
+        y,
+        where="post",
+        color="k",
+        lw=1.3,
+        zorder=2,
+        label="Pareto frontier: best accuracy at ≤ FLOPs",
+    )
+    panel.set_xlim(lo, hi)
+
+
+def _name_frontier_models(ax, front: pd.DataFrame, acc_span: float) -> None:
+    """Frontier open models: names to the left, spread so they never overlap."""
+    named = front[front["group"] == "open model"]
+    if not len(named):
+        return
+    heights = _spread_labels(named["avg_acc_pct"].to_numpy(float), 0.028 * acc_span)
+    for (_, r), h in zip(named.iterrows(), heights, strict=True):
+        ax.annotate(
+            r["model"],
+            (r["flops"], r["avg_acc_pct"]),
+            xytext=(r["flops"] / 2.2, h),
+            textcoords="data",
+            ha="right",
+            va="center",
+            fontsize=7,
+            arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5),
+        )
 
 
 # ---------------------------------------------------------------- (f) family table
