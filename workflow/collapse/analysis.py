@@ -723,23 +723,7 @@ def _write_analysis(
     stats.table().to_csv(work / "delta_sigma.csv", index=False, float_format="%.8g")
 
     verdicts, residual = gate_matrix(matrix, reference, policy, offset)
-    plotted = {}
-    for i, verdict in enumerate(verdicts):
-        failed = verdict.status in ("fail", "overridden")
-        if plots == "all" or (plots == "failed" and failed):
-            png = out / "gates" / f"{verdict.run}.png"
-            verdict = verdict.model_copy(
-                update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
-            )
-            plot_gate(
-                work / "gates" / png.name, verdict, matrix.grid, residual[i] + reference.ell,
-                reference,
-            )  # fmt: skip
-        else:
-            verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
-        plotted[verdict.run] = verdict
-        verdict.write_json(work / "gates" / f"{verdict.run}.json")
-    verdicts = list(plotted.values())
+    verdicts = _write_gates(work, out, verdicts, residual, matrix.grid, reference, plots)
     plot_residuals(work / "residuals.png", matrix.grid, residual, verdicts)
     plot_collapse(work / "collapse.png", matrix, stats, reference, offset)
 
@@ -771,6 +755,35 @@ def _write_analysis(
     }
     write_json(work / "collapse.json", summary)
     return summary
+
+
+def _write_gates(
+    work: Path,
+    out: Path,
+    verdicts: list[GateVerdict],
+    residual: np.ndarray,
+    grid: np.ndarray,
+    reference: ReferenceCurve,
+    plots: str,
+) -> list[GateVerdict]:
+    """gates/<run>.json for every run and, as ``plots`` asks, gates/<run>.png; a verdict
+    names its evidence plot (its own, else residuals.png)."""
+    written = []
+    for i, verdict in enumerate(verdicts):
+        failed = verdict.status in ("fail", "overridden")
+        if plots == "all" or (plots == "failed" and failed):
+            png = out / "gates" / f"{verdict.run}.png"
+            verdict = verdict.model_copy(
+                update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
+            )
+            plot_gate(
+                work / "gates" / png.name, verdict, grid, residual[i] + reference.ell, reference
+            )
+        else:
+            verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
+        written.append(verdict)
+        verdict.write_json(work / "gates" / f"{verdict.run}.json")
+    return written
 
 
 # ---------------------------------------------------------------- command line
