@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from workflow_cli import run_snakemake
 
 from collapse import analysis, report
 from collapse.artifacts import ARTIFACTS, SECTIONS, reported, section
@@ -22,7 +23,7 @@ from collapse.cli import main as cli_main
 from collapse.config import load_config
 from collapse.gates import GatePolicy
 from collapse.layout import CURVE_COLUMNS, FamilyLayout
-from collapse.plan import plan_family
+from collapse.plan import contrast_members, plan_family
 from collapse.surrogate import SurrogateParams, synthetic_loss
 
 SIZES = ",".join(
@@ -314,3 +315,27 @@ def test_the_registry_drives_index_and_captions(built):
     assert {a.name for a in reported(sweeps=False, faults=False, contrast=False)} == {
         "family_table", "collapse_curves", "delta_sigma", "gate_summary", "downstream_vs_flops"
     }  # fmt: skip
+
+
+def test_the_report_rule_declares_the_registry_and_the_contrast_uses_the_familys_rules(tmp_path):
+    """A dry run of tiny (sweeps and a contrast, no faults): the report job's outputs are the
+    registered artifacts with their captions; the contrast's reference, statistics and gates are
+    jobs of the family's own rules, with the contrast's paths and runs."""
+    dry = run_snakemake(tmp_path, "-n", "-p", "--config", "family=tiny", timeout=180).stdout
+    block = dry.split("\nrule report:\n")[1]
+    outputs = set(re.search(r"^\s+output: (.*)$", block, re.M).group(1).split(", "))
+    shown = reported(sweeps=True, faults=False, contrast=True)
+    assert outputs == {"results/tiny/report/index.md"} | {
+        f"results/tiny/report/{f}" for a in shown for f in (a.file, f"captions/{a.name}.rst")
+    }
+    plan = plan_family(load_config(["family=tiny"]))
+    contrast = sorted(contrast_members(plan.table).run)
+    band = f"{plan.config.family.contrast_band():g}"
+    scoped = re.findall(
+        r"^rule (\w+):\n(?:\s+\w+:.*\n)*?\s+wildcards: scope=contrast/, (\w+)=(\S+)", dry, re.M
+    )
+    assert sorted(w for rule, key, w in scoped if rule == "gate") == contrast
+    assert {(rule, w) for rule, key, w in scoped if key == "band"} == {
+        ("reference", band), ("collapse_stats", band)
+    }  # fmt: skip
+    assert "rule contrast_" not in dry
