@@ -8,14 +8,8 @@ report can be rebuilt at any point of a family's life. Every figure and table is
 once in ``collapse.artifacts`` (file, section, captions); the report writes the long captions
 as captions/<name>.rst for Snakemake's ``--report``.
 
-Artifacts:
-  (a) collapse_curves: normalized curves by size per TPP band, residual vs the band's reference;
-  (b) delta_sigma + collapse_summary: Delta against the seed noise sigma over t_hat per band;
-  (c) gate_summary + gates table + gates/<run>.png: the evidence of every gated run;
-  (d) sweep_predictions, sweep_metrics (+ tables): early-stopped sweeps;
-  (e) downstream_vs_flops + downstream table: accuracy against training FLOPs with the published
-      open models, Celerity (FLOPs from the planner) and the Pareto frontier;
-  (f) family_table: params, tokens, FLOPs, final loss, held-out loss, downstream average, gate.
+The letters that name this module's parts: (a) collapse curves, (b) Delta against sigma,
+(c) gates, (d) sweeps, (e) downstream accuracy against FLOPs, (f) the family table.
 """
 
 from __future__ import annotations
@@ -96,7 +90,7 @@ class _Report:
     def copied_table(self, csv: Path, md: Path, name: str) -> None:
         """A table another stage wrote (CSV and Markdown)."""
         artifact(name, "table")
-        copies = [Path(shutil.copy2(src, self.out / src.name)) for src in (md, csv)]
+        copies = [Path(shutil.copy2(src, self.out / f"{name}{src.suffix}")) for src in (md, csv)]
         self.files += copies
         self.tables[name] = copies[0]
 
