@@ -16,7 +16,6 @@ include: "workflow/rules/reference.smk"
 include: "workflow/rules/gates.smk"
 include: "workflow/rules/sweep.smk"
 include: "workflow/rules/faults.smk"
-include: "workflow/rules/contrast.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 

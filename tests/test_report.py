@@ -15,16 +15,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from workflow_cli import run_snakemake
 
 from collapse import analysis, report
+from collapse.artifacts import ARTIFACTS, SECTIONS, reported, section
 from collapse.cli import main as cli_main
 from collapse.config import load_config
 from collapse.gates import GatePolicy
 from collapse.layout import CURVE_COLUMNS, FamilyLayout
-from collapse.plan import plan_family
+from collapse.plan import contrast_members, plan_family
 from collapse.surrogate import SurrogateParams, synthetic_loss
 
-REPO = Path(__file__).resolve().parents[1]
 SIZES = ",".join(
     f"{{name: d{d}, d_model: {d}, n_layers: 2, n_heads: {d // 16}}}"
     for d in (64, 96, 128, 192, 256)
@@ -176,12 +177,15 @@ def built(tmp_path_factory, celerity):
 def test_every_artifact_is_written_and_linked(built):
     root, _, paths = built
     out = root / "report"
-    for name in set(report.FIGURES) - report.OPTIONAL:  # no fault experiment in this tree
-        for ext in ("png", "pdf"):
-            assert (out / f"{name}.{ext}").stat().st_size > 5000, name
-    for name in set(report.TABLES) - report.OPTIONAL:
-        assert (out / f"{name}.csv").stat().st_size > 0, name
-        assert (out / f"{name}.md").stat().st_size > 0, name
+    for a in ARTIFACTS:
+        if section(a.section).needs not in ("", "sweeps"):  # no faults, no contrast here
+            continue
+        if a.kind == "figure":
+            for ext in ("png", "pdf"):
+                assert (out / f"{a.name}.{ext}").stat().st_size > 5000, a.name
+        else:
+            assert (out / f"{a.name}.csv").stat().st_size > 0, a.name
+            assert (out / f"{a.name}.md").stat().st_size > 0, a.name
     assert paths[-1] == out / "index.md"
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
     index = (out / "index.md").read_text()
@@ -285,7 +289,53 @@ def test_pareto_frontier_by_hand():
     assert report.pareto_frontier(flops, acc).tolist() == [True, False, True, False, True, False]
 
 
-def test_every_figure_has_a_snakemake_caption():
-    for name in report.FIGURES:
-        caption = REPO / "workflow" / "report" / f"{name}.rst"
-        assert caption.is_file() and len(caption.read_text().split()) > 10, name
+def test_the_registry_drives_index_and_captions(built):
+    """Each registered section has a builder; index.md shows every written artifact under its
+    section with its summary; captions/<name>.rst holds the caption --report renders."""
+    root, _, paths = built
+    out = root / "report"
+    assert list(report._BUILDERS) == [s.key for s in SECTIONS]
+    index = (out / "index.md").read_text()
+    titles = [line.removeprefix("## ") for line in index.splitlines() if line.startswith("## ")]
+    assert titles == [s.title for s in SECTIONS if s.needs in ("", "sweeps")]
+    for a in ARTIFACTS:
+        if section(a.section).needs in ("", "sweeps"):
+            body = index.split(f"## {section(a.section).title}\n")[1].split("\n## ")[0]
+            assert (
+                a.summary in body and f"{a.name}.{'pdf' if a.kind == 'figure' else 'csv'}" in body
+            )
+    shown = reported(sweeps=True, faults=True, contrast=True)
+    assert {a.name for a in shown} == {a.name for a in ARTIFACTS if a.kind == "figure"} | {
+        "family_table"
+    }
+    for a in shown:
+        caption = out / "captions" / f"{a.name}.rst"
+        assert caption in paths and caption.read_text() == a.caption + "\n"
+        assert len(a.caption.split()) > 10, a.name
+    assert {a.name for a in reported(sweeps=False, faults=False, contrast=False)} == {
+        "family_table", "collapse_curves", "delta_sigma", "gate_summary", "downstream_vs_flops"
+    }  # fmt: skip
+
+
+def test_the_report_rule_declares_the_registry_and_the_contrast_uses_the_familys_rules(tmp_path):
+    """A dry run of tiny (sweeps and a contrast, no faults): the report job's outputs are the
+    registered artifacts with their captions; the contrast's reference, statistics and gates are
+    jobs of the family's own rules, with the contrast's paths and runs."""
+    dry = run_snakemake(tmp_path, "-n", "-p", "--config", "family=tiny", timeout=180).stdout
+    block = dry.split("\nrule report:\n")[1]
+    outputs = set(re.search(r"^\s+output: (.*)$", block, re.M).group(1).split(", "))
+    shown = reported(sweeps=True, faults=False, contrast=True)
+    assert outputs == {"results/tiny/report/index.md"} | {
+        f"results/tiny/report/{f}" for a in shown for f in (a.file, f"captions/{a.name}.rst")
+    }
+    plan = plan_family(load_config(["family=tiny"]))
+    contrast = sorted(contrast_members(plan.table).run)
+    band = f"{plan.config.family.contrast_band():g}"
+    scoped = re.findall(
+        r"^rule (\w+):\n(?:\s+\w+:.*\n)*?\s+wildcards: scope=contrast/, (\w+)=(\S+)", dry, re.M
+    )
+    assert sorted(w for rule, key, w in scoped if rule == "gate") == contrast
+    assert {(rule, w) for rule, key, w in scoped if key == "band"} == {
+        ("reference", band), ("collapse_stats", band)
+    }  # fmt: skip
+    assert "rule contrast_" not in dry

@@ -28,6 +28,7 @@ from collapse import curves as C
 from collapse import validate as V
 from collapse.gates import GatePolicy, GateVerdict, blocks, evaluate_gate, plot_gate
 from collapse.outputs import staged_folder
+from collapse.plotting import Figure, draw_collapse_curves, save, size_colours
 from collapse.reference import (
     ALIGN_WINDOW,
     ReferenceCurve,
@@ -299,25 +300,6 @@ def fit_reference_surrogate(matrix: C.CurveMatrix, offset: float = 0.0) -> Surro
 # ---------------------------------------------------------------- plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str | Path) -> Path:
-    """Lay out, write (creating the folder) and close a figure."""
-    path = Path(path)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
-
-
 def plot_collapse(
     path: str | Path,
     matrix: C.CurveMatrix,
@@ -326,41 +308,20 @@ def plot_collapse(
     offset: float = 0.0,
 ) -> Path:
     """Normalized curves coloured by size over the reference band; Delta and sigma below."""
-    plt = _pyplot()
     complete = np.isfinite(matrix.meta["final_loss"].to_numpy(float))
     matrix = matrix.select(complete)
-    ell = matrix.normalized(offset)
-    labels = C.size_labels(matrix.meta).to_numpy()
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(8, 8), sharex=True, gridspec_kw=dict(height_ratios=[3, 2])
+    colours = size_colours(stats.sizes)
+    fig = Figure(figsize=(8, 8), layout="tight")
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
+    draw_collapse_curves(
+        top,
+        matrix.grid,
+        matrix.normalized(offset),
+        C.size_labels(matrix.meta).to_numpy(),
+        colours,
+        reference=reference,
+        offset=offset,
     )
-    if reference is not None:
-        top.fill_between(
-            reference.t_hat,
-            reference.lower,
-            reference.upper,
-            color="0.85",
-            label=f"reference band ({', '.join(reference.sizes)})",
-        )
-        top.plot(reference.t_hat, reference.ell, color="k", lw=1.5, label="reference ℓ")
-    colours = plt.get_cmap("viridis")(np.linspace(0, 0.9, max(len(stats.sizes), 1)))
-    for colour, size in zip(colours, stats.sizes, strict=True):
-        rows = ell[labels == size]
-        for j, row in enumerate(rows):
-            top.plot(
-                matrix.grid,
-                row,
-                color=colour,
-                lw=0.9,
-                alpha=0.8,
-                label=f"size {size} ({len(rows)} run{'s' * (len(rows) > 1)})" if j == 0 else None,
-            )
-    window = ell[:, _in(matrix.grid, SCORE_WINDOW)]
-    if np.isfinite(window).any():
-        top.set_ylim(0.98, 1.02 * np.nanmax(window))
-    top.set_ylabel("normalized loss ℓ = (L − L0) / (L(T) − L0)")
-    top.legend(fontsize=8, ncol=2)
-    top.grid(alpha=0.3)
     verdict = {True: "supercollapse", False: "no supercollapse", None: "no seed noise floor"}
     top.set_title(
         f"collapse score {stats.score:.4f} (mean Δ over t̂ ≥ 0.2); {verdict[stats.supercollapse]}",
@@ -373,16 +334,15 @@ def plot_collapse(
         lw=1.5,
         label="Δ: spread of ℓ over sizes and seeds",
     )
-    for colour, size in zip(colours, stats.sizes, strict=True):
-        if size in stats.sigma:
-            bottom.plot(
-                stats.t_hat,
-                100 * stats.sigma[size],
-                color=colour,
-                ls="--",
-                lw=1,
-                label=f"σ seed noise, size {size}",
-            )
+    for size, sigma in stats.sigma.items():
+        bottom.plot(
+            stats.t_hat,
+            100 * sigma,
+            color=colours.get(size, "C1"),
+            ls="--",
+            lw=1,
+            label=f"σ seed noise, size {size}",
+        )
     bottom.axvspan(*stats.late_window, color="C1", alpha=0.06, label="late window")
     bottom.set_yscale("log")
     bottom.set_xlabel("fraction of training t̂ = step / total steps")
@@ -390,15 +350,15 @@ def plot_collapse(
     bottom.legend(fontsize=8, ncol=2)
     bottom.grid(alpha=0.3, which="both")
     bottom.set_xlim(0, 1)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_residuals(
     path: str | Path, grid: np.ndarray, residual: np.ndarray, verdicts: list[GateVerdict]
 ) -> Path:
     """Every run's early-aligned residual against the threshold; failed runs in red."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5), layout="tight")
+    ax = fig.subplots()
     failed = [v.status in ("fail", "overridden") for v in verdicts]
     for row, bad in zip(residual, failed, strict=True):
         ax.plot(
@@ -427,7 +387,7 @@ def plot_residuals(
     ax.set_xlim(0, 1)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_reference(
@@ -437,8 +397,8 @@ def plot_reference(
     controls: list[tuple[float, float]],
 ) -> Path:
     """The reference curve and band, with the Eq. 4 surrogate at the reference controls."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    ax = fig.subplots()
     ax.fill_between(
         reference.t_hat, reference.lower, reference.upper, color="0.85", label="band (mean ± 2 std)"
     )
@@ -465,7 +425,7 @@ def plot_reference(
     ax.set_ylabel("normalized loss ℓ = L / L(T)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 # ---------------------------------------------------------------- rule entry points
@@ -770,23 +730,7 @@ def _write_analysis(
     stats.table().to_csv(work / "delta_sigma.csv", index=False, float_format="%.8g")
 
     verdicts, residual = gate_matrix(matrix, reference, policy, offset)
-    plotted = {}
-    for i, verdict in enumerate(verdicts):
-        failed = verdict.status in ("fail", "overridden")
-        if plots == "all" or (plots == "failed" and failed):
-            png = out / "gates" / f"{verdict.run}.png"
-            verdict = verdict.model_copy(
-                update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
-            )
-            plot_gate(
-                work / "gates" / png.name, verdict, matrix.grid, residual[i] + reference.ell,
-                reference,
-            )  # fmt: skip
-        else:
-            verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
-        plotted[verdict.run] = verdict
-        verdict.write_json(work / "gates" / f"{verdict.run}.json")
-    verdicts = list(plotted.values())
+    verdicts = _write_gates(work, out, verdicts, residual, matrix.grid, reference, plots)
     plot_residuals(work / "residuals.png", matrix.grid, residual, verdicts)
     plot_collapse(work / "collapse.png", matrix, stats, reference, offset)
 
@@ -818,6 +762,35 @@ def _write_analysis(
     }
     write_json(work / "collapse.json", summary)
     return summary
+
+
+def _write_gates(
+    work: Path,
+    out: Path,
+    verdicts: list[GateVerdict],
+    residual: np.ndarray,
+    grid: np.ndarray,
+    reference: ReferenceCurve,
+    plots: str,
+) -> list[GateVerdict]:
+    """gates/<run>.json for every run and, as ``plots`` asks, gates/<run>.png; a verdict
+    names its evidence plot (its own, else residuals.png)."""
+    written = []
+    for i, verdict in enumerate(verdicts):
+        failed = verdict.status in ("fail", "overridden")
+        if plots == "all" or (plots == "failed" and failed):
+            png = out / "gates" / f"{verdict.run}.png"
+            verdict = verdict.model_copy(
+                update={"plot": str(png), "message": f"{verdict.message}; evidence: {png}"}
+            )
+            plot_gate(
+                work / "gates" / png.name, verdict, grid, residual[i] + reference.ell, reference
+            )
+        else:
+            verdict = verdict.model_copy(update={"plot": str(out / "residuals.png")})
+        written.append(verdict)
+        verdict.write_json(work / "gates" / f"{verdict.run}.json")
+    return written
 
 
 # ---------------------------------------------------------------- command line

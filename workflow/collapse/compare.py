@@ -17,10 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import rcParams
 
 from collapse import curves as C
 from collapse.layout import FamilyLayout
 from collapse.plan import contrast_members
+from collapse.plotting import Figure, save
 from collapse.roles import Role
 
 COMPARISON_COLUMNS = (
@@ -130,18 +132,14 @@ def comparison_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot_comparison(table: pd.DataFrame, path: Path) -> Path:
-    from collapse.analysis import _save
-
-    return _save(comparison_figure(table), path)
+    return save(comparison_figure(table), path)
 
 
-def comparison_figure(table: pd.DataFrame):
+def comparison_figure(table: pd.DataFrame) -> Figure:
     """Delta (solid) against the seed noise sigma (dotted) of each row's family and band."""
-    from collapse.analysis import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig = Figure(figsize=(7.5, 4.2), layout="tight")
+    ax = fig.subplots()
+    colours = rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (_, row) in enumerate(table.iterrows()):
         stats, colour = row["_stats"], colours[i % len(colours)]
         t = np.asarray(stats["t_hat"], dtype=float)
@@ -156,7 +154,6 @@ def comparison_figure(table: pd.DataFrame):
     ax.set_ylabel("Δ (solid) and seed noise σ (dotted)")
     ax.set_title("Collapse deviation of each family against its seed noise")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig
 
 

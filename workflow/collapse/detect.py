@@ -322,11 +322,13 @@ def _margin_line(rows: pd.DataFrame) -> str:
 
 
 def plot_detections(panels: list[dict], path: Path) -> Path:
-    from collapse.analysis import _pyplot
+    from matplotlib.lines import Line2D
 
-    plt = _pyplot()
+    from collapse.plotting import Figure, save
+
     n = len(panels)
-    fig, axes = plt.subplots(2, n, figsize=(3.2 * n + 0.8, 5.6), sharex=True, squeeze=False)
+    fig = Figure(figsize=(3.2 * n + 0.8, 5.6))
+    axes = fig.subplots(2, n, sharex=True, squeeze=False)
     colours = {
         "collapse": "tab:red",
         "collapse_own_size": "tab:purple",
@@ -365,21 +367,17 @@ def plot_detections(panels: list[dict], path: Path) -> Path:
     axes[1, 0].set_ylabel("residual r = ℓ_run − ℓ_ref")
     shown = {d for p in panels for d in p["alarms"]}
     handles = [
-        plt.Line2D([], [], color=c, lw=1.2, label=f"{d} alarm")
+        Line2D([], [], color=c, lw=1.2, label=f"{d} alarm")
         for d, c in colours.items()
         if d in shown
     ] + [
-        plt.Line2D([], [], color="black", ls="--", lw=0.9, label="fault starts"),
-        plt.Line2D([], [], color="tab:red", ls=":", lw=0.8, label="gate threshold"),
+        Line2D([], [], color="black", ls="--", lw=0.9, label="fault starts"),
+        Line2D([], [], color="tab:red", ls=":", lw=0.8, label="gate threshold"),
     ]
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8, frameon=False)
     fig.suptitle("Fault detection: collapse monitor vs raw-loss detectors (grey: clean seed)")
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    fig.savefig(path.with_suffix(".pdf"))
-    plt.close(fig)
-    return path
+    return save(fig, path, pdf=True)
 
 
 def run_experiment(

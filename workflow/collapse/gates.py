@@ -240,16 +240,10 @@ def plot_gate(
     reference: ReferenceCurve,
 ) -> Path:
     """Evidence for one verdict: the early-aligned run on the reference band, and r(t_hat)."""
-    import matplotlib
+    from collapse.plotting import Figure, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(7.5, 6.5), sharex=True, gridspec_kw=dict(height_ratios=[3, 2])
-    )
+    fig = Figure(figsize=(7.5, 6.5), layout="tight")
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=[3, 2]))
     ref_label = f"reference ({', '.join(reference.sizes)})" if reference.sizes else "reference"
     top.fill_between(
         reference.t_hat,
@@ -307,7 +301,4 @@ def plot_gate(
     bottom.legend(fontsize=8, loc="upper left")
     bottom.grid(alpha=0.3)
     bottom.set_xlim(0, 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -1037,10 +1037,7 @@ def _si(x: float) -> str:
 
 def plot_plan(table: pd.DataFrame, path: Path) -> None:
     """Tokens, FLOPs and GPU-hours (or CPU wall-hours) per size, log scales: one glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from collapse.plotting import Figure, save
 
     fam = table[table.role == Role.FAMILY].groupby("size", sort=False).first().reset_index()
     fam = fam.sort_values("params")
@@ -1050,7 +1047,8 @@ def plot_plan(table: pd.DataFrame, path: Path) -> None:
         ("flops", "training FLOPs (Table 9)"),
         (hours_col, "GPU-hours" if hours_col == "gpu_hours" else "CPU wall-hours"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    fig = Figure(figsize=(13, 3.8), layout="constrained")
+    axes = fig.subplots(1, 3)
     for ax, (col, label) in zip(axes, panels, strict=True):
         for band, rows in table[table.role == Role.FAMILY].groupby("tpp_band"):
             rows = rows.groupby("size", sort=False).first().sort_values("params")
@@ -1064,9 +1062,7 @@ def plot_plan(table: pd.DataFrame, path: Path) -> None:
             ax.annotate(r["size"], (r["params"], r[col]), fontsize=7, alpha=0.7)
     axes[0].legend()
     fig.suptitle("Compute plan by size")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 # ------------------------------------------------------------------------------------- CLI

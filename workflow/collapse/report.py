@@ -4,17 +4,12 @@
 workflow/rules/*.smk) and writes into one folder: figures as PNG and PDF, tables as CSV and
 Markdown, and ``index.md`` linking all of them. A stage that has not run yet (no sweeps, no
 evals) is skipped with a line in index.md that says what is missing, never an error, so the
-report can be rebuilt at any point of a family's life. Captions for Snakemake's ``--report``
-are workflow/report/<figure>.rst, one per name in ``FIGURES``.
+report can be rebuilt at any point of a family's life. Every figure and table is registered
+once in ``collapse.artifacts`` (file, section, captions); the report writes the long captions
+as captions/<name>.rst for Snakemake's ``--report``.
 
-Artifacts:
-  (a) collapse_curves: normalized curves by size per TPP band, residual vs the band's reference;
-  (b) delta_sigma + collapse_summary: Delta against the seed noise sigma over t_hat per band;
-  (c) gate_summary + gates table + gates/<run>.png: the evidence of every gated run;
-  (d) sweep_predictions, sweep_metrics (+ tables): early-stopped sweeps;
-  (e) downstream_vs_flops + downstream table: accuracy against training FLOPs with the published
-      open models, Celerity (FLOPs from the planner) and the Pareto frontier;
-  (f) family_table: params, tokens, FLOPs, final loss, held-out loss, downstream average, gate.
+The letters that name this module's parts: (a) collapse curves, (b) Delta against sigma,
+(c) gates, (d) sweeps, (e) downstream accuracy against FLOPs, (f) the family table.
 """
 
 from __future__ import annotations
@@ -29,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display, no global state
 from matplotlib.ticker import NullFormatter
 
 from collapse import curves as C
+from collapse.artifacts import ARTIFACTS, SECTIONS, artifact, section
 from collapse.layout import FamilyLayout
+from collapse.plotting import Figure, draw_collapse_curves, size_colours, visible_limits
 from collapse.reference import ALIGN_WINDOW, ReferenceCurve, aligned_residuals
 from collapse.roles import Role
 
@@ -45,42 +41,6 @@ CELERITY_RELEASED_TPP = (
 TASK_COLUMNS = ("arc_c", "arc_e", "boolq", "hellaswag", "piqa", "siqa", "winogrande")
 # lm-eval task names (as the evaluation writes them) -> published_results.csv columns
 TASK_ALIASES = {"arc_challenge": "arc_c", "arc_easy": "arc_e", "social_iqa": "siqa"}
-SHOW_FROM_T_HAT = 0.2  # curves are plotted from here on: before it ell is far above 1
-
-# figure name -> one-line caption for index.md (the .rst files in workflow/report/ say more)
-FIGURES = {
-    "collapse_curves": "Normalized training loss by size for each TPP band (top) and the residual "
-    "against the band's reference curve (bottom).",
-    "delta_sigma": "Collapse deviation Delta (spread of normalized curves across sizes and seeds) "
-    "against the seed noise floor sigma, per TPP band.",
-    "gate_summary": "Largest residual of each gated run relative to its gate threshold.",
-    "sweep_predictions": "Predicted final loss of each sweep variant against the fraction of "
-    "training it ran, per prediction method; horizontal lines: true final losses.",
-    "sweep_metrics": "Prediction error against training fraction and selection regret against "
-    "compute, per method.",
-    "contrast": "Delta (solid) and seed noise sigma (dotted) of the family, which holds tau "
-    "fixed, and of its contrast, whose sizes share one weight decay so that tau drifts.",
-    "fault_detection": "Injected faults in one size: raw loss (top) and residual against the "
-    "reference (bottom), with the fault start and each detector's first alarm.",
-    "downstream_vs_flops": "Average downstream accuracy (7 tasks) against training FLOPs: this "
-    "family, Celerity and published open models, with the Pareto frontier.",
-}
-# Written only for a family with the fault experiment (``faults=standard``) or a contrast.
-OPTIONAL = {"fault_detection", "detections", "contrast"}
-TABLES = {
-    "family_table": "Every run of the family: size, parameters, tokens, FLOPs, losses, downstream "
-    "average and gate.",
-    "collapse_summary": "Collapse per TPP band: score, Delta/sigma late in training, "
-    "supercollapse verdict.",
-    "gates": "Gate verdict of every gated run.",
-    "sweep_metrics": "Early-stopping metrics per sweep, method and training fraction.",
-    "sweep_predictions": "Predicted final loss per sweep variant, fraction and method.",
-    "detections": "First alarm of each detector on every fault run and clean seed.",
-    "contrast": "The family against its contrast: Delta/sigma late, gates, final losses and the "
-    "normalized loss at t_hat 0.5 of the smallest and the largest size.",
-    "downstream": "Downstream accuracy (%) and training FLOPs of every model in the accuracy "
-    "figure; on_frontier marks the Pareto frontier.",
-}
 
 
 @dataclass
@@ -89,22 +49,83 @@ class _Report:
 
     out: Path
     files: list[Path] = field(default_factory=list)
+    figures: dict[str, tuple[Path, Path]] = field(default_factory=dict)  # name -> (png, pdf)
+    tables: dict[str, Path] = field(default_factory=dict)  # name -> markdown
     sections: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
-    def figure(self, fig: Figure, name: str) -> list[Path]:
+    def figure(self, fig: Figure, name: str) -> None:
+        artifact(name, "figure")  # only registered figures are written
         paths = [self.out / f"{name}.{ext}" for ext in ("png", "pdf")]
         for path in paths:
             fig.savefig(path, dpi=130)
         self.files += paths
-        return paths
+        self.figures[name] = (paths[0], paths[1])
 
-    def table(self, frame: pd.DataFrame, name: str, shown: pd.DataFrame | None = None) -> Path:
+    def copied_figure(self, png: Path, pdf: Path, name: str) -> None:
+        """A figure another stage drew (its PNG and, if there is one, its PDF)."""
+        artifact(name, "figure")
+        copy = Path(shutil.copy2(png, self.out / f"{name}.png"))
+        copy_pdf = Path(shutil.copy2(pdf, self.out / f"{name}.pdf")) if pdf.is_file() else copy
+        self.files += [copy] + ([copy_pdf] if copy_pdf != copy else [])
+        self.figures[name] = (copy, copy_pdf)
+
+    def table(
+        self,
+        frame: pd.DataFrame,
+        name: str,
+        shown: pd.DataFrame | None = None,
+        markdown: str | None = None,
+    ) -> None:
+        """<name>.csv of ``frame`` and <name>.md of ``shown`` (or the ``markdown`` given)."""
+        artifact(name, "table")
         csv, md = self.out / f"{name}.csv", self.out / f"{name}.md"
         frame.to_csv(csv, index=False, float_format="%.10g")
-        md.write_text(_markdown(frame if shown is None else shown) + "\n")
+        if markdown is None:
+            markdown = _markdown(frame if shown is None else shown) + "\n"
+        md.write_text(markdown)
         self.files += [csv, md]
-        return md
+        self.tables[name] = md
+
+    def copied_table(self, csv: Path, md: Path, name: str) -> None:
+        """A table another stage wrote (CSV and Markdown)."""
+        artifact(name, "table")
+        copies = [Path(shutil.copy2(src, self.out / f"{name}{src.suffix}")) for src in (md, csv)]
+        self.files += copies
+        self.tables[name] = copies[0]
+
+    def add_section(self, key: str, extra: str = "") -> None:
+        """The section's figures, then its tables, as registered and as written."""
+        lines = [f"## {section(key).title}", ""]
+        for a in ARTIFACTS:
+            if a.section == key and a.kind == "figure" and a.name in self.figures:
+                png, pdf = self.figures[a.name]
+                lines += [
+                    f"![{a.summary}]({png.name})",
+                    "",
+                    f"*{a.summary}* ([PDF]({pdf.name}))",
+                    "",
+                ]
+        for a in ARTIFACTS:
+            if a.section == key and a.kind == "table" and a.name in self.tables:
+                md = self.tables[a.name]
+                lines += [
+                    f"**{a.summary}** ([CSV]({a.name}.csv), [Markdown]({md.name}))",
+                    "",
+                    md.read_text().rstrip(),
+                    "",
+                ]
+        self.sections.append("\n".join(lines) + extra)
+
+    def captions(self) -> None:
+        """captions/<name>.rst: the caption of every artifact Snakemake's --report shows."""
+        folder = self.out / "captions"
+        folder.mkdir(exist_ok=True)
+        for a in ARTIFACTS:
+            if a.category:
+                path = folder / f"{a.name}.rst"
+                path.write_text(a.caption + "\n")
+                self.files.append(path)
 
 
 # ---------------------------------------------------------------- formatting
@@ -208,13 +229,6 @@ def _size_order(runs: pd.DataFrame) -> list[str]:
     return list(runs.groupby("size")["params"].median().sort_values().index.astype(str))
 
 
-def _size_colours(sizes: list[str]) -> dict[str, tuple]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
-    return {s: cmap(x) for s, x in zip(sizes, np.linspace(0.0, 0.85, len(sizes)), strict=True)}
-
-
 # ---------------------------------------------------------------- (a) collapse curves
 
 
@@ -252,21 +266,11 @@ def _bands(layout: FamilyLayout, runs: pd.DataFrame, matrix: C.CurveMatrix) -> l
     return out
 
 
-def _visible_limits(values: np.ndarray, grid: np.ndarray, pad: float) -> tuple[float, float]:
-    shown = values[:, grid >= SHOW_FROM_T_HAT]
-    shown = shown[np.isfinite(shown)]
-    if not len(shown):
-        return 0.0, 1.0
-    lo, hi = float(shown.min()), float(shown.max())
-    span = max(hi - lo, 1e-3)
-    return lo - pad * span, hi + pad * span
-
-
 def plot_collapse_curves(
     bands: list[_Band], sizes: list[str], thresholds: dict[float, float]
 ) -> Figure:
     """Figure (a): one column per band; normalized curves on top, residuals below."""
-    colours = _size_colours(sizes)
+    colours = size_colours(sizes)
     n = len(bands)
     fig = Figure(figsize=(5.2 * n + 1.0, 7.2), layout="constrained")
     axes = fig.subplots(2, n, sharex=True, squeeze=False, gridspec_kw=dict(height_ratios=[3, 2]))
@@ -274,82 +278,67 @@ def plot_collapse_curves(
         top, bottom = axes[0, k], axes[1, k]
         labels = C.size_labels(b.matrix.meta).to_numpy()
         complete = np.isfinite(b.matrix.meta["final_loss"].to_numpy(float))
-        if b.reference is not None:
-            top.fill_between(
-                b.reference.t_hat, b.reference.lower, b.reference.upper, color="0.88", lw=0
-            )
-            ref_label = ", ".join(b.reference.sizes) or "reference sizes"
-            top.plot(
-                b.reference.t_hat,
-                b.reference.ell,
-                "k--",
-                lw=1.6,
-                zorder=5,
-                label=f"reference ({ref_label})",
-            )
-        seen = set()
-        for i, size in enumerate(labels):
-            style = dict(color=colours.get(size, "C3"), lw=1.1, alpha=0.85)
-            style["ls"] = "-" if complete[i] else ":"
-            label = None if size in seen else f"{size}"
-            seen.add(size)
-            top.plot(b.matrix.grid, b.ell[i], label=label, **style)
-            if b.residual is not None:
-                bottom.plot(b.matrix.grid, b.residual[i], **style)
-        top.set_ylim(*_visible_limits(b.ell, b.matrix.grid, 0.08))
+        draw_collapse_curves(
+            top,
+            b.matrix.grid,
+            b.ell,
+            labels,
+            colours,
+            reference=b.reference,
+            complete=complete,
+            offset=b.offset,
+        )
         top.set_title(
             f"TPP {_band_label(b.band)}: {len(labels)} runs, {len(set(labels))} sizes", fontsize=11
         )
-        top.set_ylabel("normalized loss ℓ = L / L(T)" if b.offset == 0 else "ℓ = (L−L0)/(L(T)−L0)")
-        top.grid(alpha=0.3)
-        handles, names = top.get_legend_handles_labels()
-        if not complete.all():
-            from matplotlib.lines import Line2D
-
-            handles.append(Line2D([], [], color="0.4", ls=":"))
-            names.append("in progress (early-aligned L(T))")
-        top.legend(handles, names, fontsize=8, title="size", title_fontsize=8)
-        if b.residual is None:
-            bottom.text(
-                0.5,
-                0.5,
-                "no reference curve for this band yet",
-                ha="center",
-                va="center",
-                transform=bottom.transAxes,
-            )
-        else:
-            bottom.axhline(0, color="k", lw=0.8)
-            limit = _visible_limits(np.abs(b.residual), b.matrix.grid, 0.0)[1]
-            if b.band in thresholds:
-                thr = thresholds[b.band]
-                for sign in (1, -1):
-                    bottom.axhline(
-                        sign * thr,
-                        color="C3",
-                        ls="--",
-                        lw=1,
-                        label=f"gate threshold ±{thr:.3g}" if sign > 0 else None,
-                    )
-                limit = max(limit, thr)
-                bottom.legend(fontsize=8, loc="upper left")
-            bottom.set_ylim(-1.25 * limit, 1.25 * limit)
-            bottom.axvspan(*b.align_window, color="C2", alpha=0.08)
-            bottom.text(
-                np.mean(b.align_window),
-                0.04,
-                "align window",
-                transform=bottom.get_xaxis_transform(),
-                ha="center",
-                fontsize=7,
-                color="C2",
-            )
-        bottom.set_ylabel("residual ℓ_run − ℓ_ref (early-aligned)")
-        bottom.set_xlabel("fraction of training t̂ = step / total steps")
-        bottom.grid(alpha=0.3)
-        bottom.set_xlim(0, 1)
+        _draw_band_residuals(bottom, b, labels, complete, colours, thresholds.get(b.band))
     fig.suptitle("Collapse of the normalized training loss across sizes", fontsize=12)
     return fig
+
+
+def _draw_band_residuals(ax, b: _Band, labels, complete, colours, threshold: float | None):
+    """The band's early-aligned residuals, with the gate threshold and the align window."""
+    ax.set_ylabel("residual ℓ_run − ℓ_ref (early-aligned)")
+    ax.set_xlabel("fraction of training t̂ = step / total steps")
+    ax.grid(alpha=0.3)
+    ax.set_xlim(0, 1)
+    if b.residual is None:
+        ax.text(
+            0.5,
+            0.5,
+            "no reference curve for this band yet",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+        return
+    for i, size in enumerate(labels):
+        style = dict(color=colours.get(size, "C3"), lw=1.1, alpha=0.85)
+        ax.plot(b.matrix.grid, b.residual[i], ls="-" if complete[i] else ":", **style)
+    ax.axhline(0, color="k", lw=0.8)
+    limit = visible_limits(np.abs(b.residual), b.matrix.grid, 0.0)[1]
+    if threshold is not None:
+        for sign in (1, -1):
+            ax.axhline(
+                sign * threshold,
+                color="C3",
+                ls="--",
+                lw=1,
+                label=f"gate threshold ±{threshold:.3g}" if sign > 0 else None,
+            )
+        limit = max(limit, threshold)
+        ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(-1.25 * limit, 1.25 * limit)
+    ax.axvspan(*b.align_window, color="C2", alpha=0.08)
+    ax.text(
+        np.mean(b.align_window),
+        0.04,
+        "align window",
+        transform=ax.get_xaxis_transform(),
+        ha="center",
+        fontsize=7,
+        color="C2",
+    )
 
 
 # ---------------------------------------------------------------- (b) Delta vs sigma
@@ -381,7 +370,7 @@ def _arr(values) -> np.ndarray:
 
 def plot_delta_sigma(stats: dict[float, dict], sizes: list[str]) -> Figure:
     """Figure (b): Delta(t_hat) and sigma(t_hat) per band, log scale, in percent."""
-    colours = _size_colours(sizes)
+    colours = size_colours(sizes)
     n = len(stats)
     fig = Figure(figsize=(5.2 * n + 1.0, 4.4), layout="constrained")
     axes = fig.subplots(1, n, squeeze=False, sharey=True)[0]
@@ -688,76 +677,17 @@ def plot_downstream(table: pd.DataFrame) -> Figure:
     else:
         ax = fig.subplots()
         panels = [(ax, shown)]
-    styles = {
-        "open model": (dict(marker="o", color="0.6", ms=6, ls="none"), "open models (Table 10)"),
-        "Celerity": (dict(marker="*", color="C1", ms=13, ls="-", lw=1), "Celerity (planner FLOPs)"),
-        "this family": (dict(marker="s", color="C0", ms=7, ls="none"), "this family"),
-    }
     front = shown[shown["on_frontier"]].sort_values("flops")
-    acc_span = float(shown["avg_acc_pct"].max() - shown["avg_acc_pct"].min()) if len(shown) else 1
     for panel, points in panels:
-        for group, (style, label) in styles.items():
-            rows = points[points["group"] == group].sort_values("flops")
-            if rows.empty:
-                continue
-            if group == "this family" and rows["eval_limit"].notna().any():
-                label += f" (subsampled: {int(rows['eval_limit'].dropna().iloc[0])} examples/task)"
-            if group == "this family" and (rows["eval_tasks"] < len(TASK_COLUMNS)).any():
-                label += f" ({int(rows['eval_tasks'].min())} of {len(TASK_COLUMNS)} tasks)"
-            panel.plot(rows["flops"], rows["avg_acc_pct"], label=label, zorder=3, **style)
-            if group == "Celerity":
-                for _, r in rows.iterrows():
-                    panel.annotate(
-                        str(r["model"]).removeprefix("Celerity-"),
-                        (r["flops"], r["avg_acc_pct"]),
-                        xytext=(6, -12),
-                        textcoords="offset points",
-                        fontsize=8,
-                        color="C1",
-                    )
-            if group == "this family":  # one label per size: seeds share the FLOPs
-                for _, r in rows.groupby(rows.apply(_own_label, axis=1)).first().iterrows():
-                    panel.annotate(
-                        _own_label(r),
-                        (r["flops"], r["avg_acc_pct"]),
-                        xytext=(6, -4),
-                        textcoords="offset points",
-                        fontsize=8,
-                        color="C0",
-                    )
+        _draw_downstream_points(panel, points)
         if len(front):
-            lo, hi = points["flops"].min() / 2, points["flops"].max() * 2
-            x = np.append(front["flops"].to_numpy(float), hi)
-            y = np.append(front["avg_acc_pct"].to_numpy(float), front["avg_acc_pct"].iloc[-1])
-            panel.step(
-                x,
-                y,
-                where="post",
-                color="k",
-                lw=1.3,
-                zorder=2,
-                label="Pareto frontier: best accuracy at ≤ FLOPs",
-            )
-            panel.set_xlim(lo, hi)
+            _draw_frontier(panel, front, points)
         panel.set_xscale("log")
         panel.xaxis.set_minor_formatter(NullFormatter())  # 2x10^12, 3x10^12, ... would overlap
         panel.set_xlabel("training FLOPs")
         panel.grid(alpha=0.3, which="both")
-    # frontier open models: names to the left, spread so they never overlap
-    named = front[front["group"] == "open model"]
-    if len(named):
-        heights = _spread_labels(named["avg_acc_pct"].to_numpy(float), 0.028 * acc_span)
-        for (_, r), h in zip(named.iterrows(), heights, strict=True):
-            ax.annotate(
-                r["model"],
-                (r["flops"], r["avg_acc_pct"]),
-                xytext=(r["flops"] / 2.2, h),
-                textcoords="data",
-                ha="right",
-                va="center",
-                fontsize=7,
-                arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5),
-            )
+    acc_span = float(shown["avg_acc_pct"].max() - shown["avg_acc_pct"].min()) if len(shown) else 1
+    _name_frontier_models(ax, front, acc_span)
     panels[0][0].set_ylabel("average accuracy over 7 tasks (%)")
     if split:
         ax_own.set_title("this family", fontsize=10)
@@ -775,6 +705,82 @@ def plot_downstream(table: pd.DataFrame) -> Figure:
         fontsize=11,
     )
     return fig
+
+
+_DOWNSTREAM_STYLES = {  # group -> (marker style, legend label)
+    "open model": (dict(marker="o", color="0.6", ms=6, ls="none"), "open models (Table 10)"),
+    "Celerity": (dict(marker="*", color="C1", ms=13, ls="-", lw=1), "Celerity (planner FLOPs)"),
+    "this family": (dict(marker="s", color="C0", ms=7, ls="none"), "this family"),
+}
+
+
+def _draw_downstream_points(panel, points: pd.DataFrame) -> None:
+    """Each group's models, with Celerity's sizes and this family's sizes named."""
+    for group, (style, label) in _DOWNSTREAM_STYLES.items():
+        rows = points[points["group"] == group].sort_values("flops")
+        if rows.empty:
+            continue
+        if group == "this family" and rows["eval_limit"].notna().any():
+            label += f" (subsampled: {int(rows['eval_limit'].dropna().iloc[0])} examples/task)"
+        if group == "this family" and (rows["eval_tasks"] < len(TASK_COLUMNS)).any():
+            label += f" ({int(rows['eval_tasks'].min())} of {len(TASK_COLUMNS)} tasks)"
+        panel.plot(rows["flops"], rows["avg_acc_pct"], label=label, zorder=3, **style)
+        if group == "Celerity":
+            for _, r in rows.iterrows():
+                panel.annotate(
+                    str(r["model"]).removeprefix("Celerity-"),
+                    (r["flops"], r["avg_acc_pct"]),
+                    xytext=(6, -12),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="C1",
+                )
+        if group == "this family":  # one label per size: seeds share the FLOPs
+            for _, r in rows.groupby(rows.apply(_own_label, axis=1)).first().iterrows():
+                panel.annotate(
+                    _own_label(r),
+                    (r["flops"], r["avg_acc_pct"]),
+                    xytext=(6, -4),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="C0",
+                )
+
+
+def _draw_frontier(panel, front: pd.DataFrame, points: pd.DataFrame) -> None:
+    """The Pareto frontier as a step line across the panel's FLOPs range."""
+    lo, hi = points["flops"].min() / 2, points["flops"].max() * 2
+    x = np.append(front["flops"].to_numpy(float), hi)
+    y = np.append(front["avg_acc_pct"].to_numpy(float), front["avg_acc_pct"].iloc[-1])
+    panel.step(
+        x,
+        y,
+        where="post",
+        color="k",
+        lw=1.3,
+        zorder=2,
+        label="Pareto frontier: best accuracy at ≤ FLOPs",
+    )
+    panel.set_xlim(lo, hi)
+
+
+def _name_frontier_models(ax, front: pd.DataFrame, acc_span: float) -> None:
+    """Frontier open models: names to the left, spread so they never overlap."""
+    named = front[front["group"] == "open model"]
+    if not len(named):
+        return
+    heights = _spread_labels(named["avg_acc_pct"].to_numpy(float), 0.028 * acc_span)
+    for (_, r), h in zip(named.iterrows(), heights, strict=True):
+        ax.annotate(
+            r["model"],
+            (r["flops"], r["avg_acc_pct"]),
+            xytext=(r["flops"] / 2.2, h),
+            textcoords="data",
+            ha="right",
+            va="center",
+            fontsize=7,
+            arrowprops=dict(arrowstyle="-", color="0.5", lw=0.5),
+        )
 
 
 # ---------------------------------------------------------------- (f) family table
@@ -853,6 +859,25 @@ def _family_markdown(table: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------- the report
 
 
+@dataclass
+class _Inputs:
+    """What the stages have written so far, read once for every section."""
+
+    layout: FamilyLayout
+    runs: pd.DataFrame | None  # None before the plan exists
+    matrix: C.CurveMatrix | None  # None before any run has a curve
+    gates: dict[str, dict]
+    evals: dict[str, dict]
+    sizes: list[str]
+    celerity_plan: object = None
+
+    @property
+    def family_bands(self) -> list[float]:
+        if self.runs is None:
+            return []
+        return sorted(self.runs.loc[self.runs.role == Role.FAMILY, "tpp_band"].unique())
+
+
 def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> list[Path]:
     """Regenerate every figure and table of a family from results/<family>/ into ``out_dir``.
 
@@ -869,145 +894,101 @@ def build_report(family_root: Path, out_dir: Path, *, celerity_plan=None) -> lis
     matrix = load_curve_matrix(layout, runs) if runs is not None else None
     if runs is not None and matrix is None:
         rep.missing.append("no loss curves yet: no runs/<run>/curve.parquet (run training)")
-    gates = load_gates(layout, runs)
-    evals = load_evals(layout)
     sizes = _size_order(runs) if runs is not None else []
-    family_name = layout.root.name
-
-    # (f) the family table first: it is the overview
-    if runs is not None:
-        table = family_table(layout, runs, matrix, evals, gates)
-        md = rep.table(table, "family_table", _family_markdown(table))
-        rep.sections.append(_section("Family", [], [("family_table", md)]))
-
-    # (a) collapse curves
-    bands = _bands(layout, runs, matrix) if matrix is not None else []
-    thresholds = {}
-    for run, v in gates.items():
-        band = runs.set_index("run")["tpp_band"].get(run) if runs is not None else None
-        if band is not None and v.get("threshold") is not None:
-            thresholds.setdefault(float(band), float(v["threshold"]))
-    if bands:
-        figs = rep.figure(plot_collapse_curves(bands, sizes, thresholds), "collapse_curves")
-        no_ref = [_band_label(b.band) for b in bands if b.reference is None]
-        if no_ref:
-            rep.missing.append(
-                f"no reference curve for TPP band(s) {', '.join(no_ref)}: residual panels empty"
-            )
-        rep.sections.append(_section("Collapse", [("collapse_curves", figs)], []))
-    elif matrix is not None:
-        rep.missing.append("collapse figure: no family run has a curve yet")
-
-    # (b) Delta vs sigma
-    all_bands = (
-        sorted(runs.loc[runs.role == Role.FAMILY, "tpp_band"].unique()) if runs is not None else []
+    inputs = _Inputs(
+        layout, runs, matrix, load_gates(layout, runs), load_evals(layout), sizes, celerity_plan
     )
-    stats = load_collapse_stats(layout, all_bands)
-    if stats:
-        figs = rep.figure(plot_delta_sigma(stats, sizes), "delta_sigma")
-        summary = collapse_summary(stats)
-        shown = summary.assign(
-            score_mean_delta=summary["score_mean_delta"].map(_fixed(5)),
-            delta_over_sigma_late=summary["delta_over_sigma_late"].map(_fixed(2)),
-        )
-        md = rep.table(summary, "collapse_summary", shown)
-        rep.sections.append(
-            _section("Delta against sigma", [("delta_sigma", figs)], [("collapse_summary", md)])
-        )
-        lacking = [_band_label(b) for b in all_bands if b not in stats]
-        if lacking:
-            rep.missing.append(f"no collapse statistics for TPP band(s) {', '.join(lacking)}")
-    else:
-        rep.missing.append(
-            "Delta vs sigma: no collapse/tpp<band>/collapse.json yet (collapse_stats)"
-        )
-
-    # (c) gates
-    if gates:
-        table = gates_table(gates, runs)
-        (out / "gates").mkdir(exist_ok=True)
-        for run, v in gates.items():
-            if v["_png"].is_file():
-                rep.files.append(Path(shutil.copy2(v["_png"], out / "gates" / f"{run}.png")))
-        figs = rep.figure(plot_gate_summary(table), "gate_summary")
-        md = rep.table(table, "gates", _gates_markdown(table))
-        evidence = "\n".join(  # failures shown inline, passes linked
-            f"- {run} ({v.get('status')}): ![gate {run}](gates/{run}.png)"
-            if v.get("status") in ("fail", "overridden")
-            else f"- {run} ({v.get('status')}): [evidence](gates/{run}.png)"
-            for run, v in gates.items()
-            if v["_png"].is_file()
-        )
-        rep.sections.append(
-            _section("Gates", [("gate_summary", figs)], [("gates", md)])
-            + ("\n### Evidence per run\n\n" + evidence + "\n" if evidence else "")
-        )
-    else:
-        rep.missing.append("gates: no gates/<run>.json yet (gate rule)")
-
-    # the contrast: the same runs with lambda fixed (when the family has one)
-    _contrast_section(layout, rep)
-
-    # (d) sweeps
-    predictions, metrics = load_sweeps(layout)
-    if len(predictions):
-        from collapse.sweep import metrics_markdown, plot_sweep_metrics
-
-        fig_pred = rep.figure(plot_sweep_predictions(predictions, runs), "sweep_predictions")
-        fig_met = rep.figure(plot_sweep_metrics(metrics), "sweep_metrics")
-        metrics.to_csv(out / "sweep_metrics.csv", index=False, float_format="%.10g")
-        (out / "sweep_metrics.md").write_text(metrics_markdown(metrics))
-        rep.files += [out / "sweep_metrics.csv", out / "sweep_metrics.md"]
-        md_pred = rep.table(sweep_predictions_table(predictions), "sweep_predictions")
-        rep.sections.append(
-            _section(
-                "Sweeps (early stopping)",
-                [("sweep_predictions", fig_pred), ("sweep_metrics", fig_met)],
-                [("sweep_metrics", out / "sweep_metrics.md"), ("sweep_predictions", md_pred)],
-            )
-        )
-    else:
-        rep.missing.append("sweeps: no sweeps/<name>/predictions.csv (no sweep run yet, or none)")
-
-    # fault-detection experiment (when the family has one)
-    faults = layout.faults_dir
-    if (faults / "detections.csv").is_file() and (faults / "detections.png").is_file():
-        png = Path(shutil.copy2(faults / "detections.png", out / "fault_detection.png"))
-        pdf = faults / "detections.pdf"
-        pdf = Path(shutil.copy2(pdf, out / "fault_detection.pdf")) if pdf.is_file() else png
-        md = Path(shutil.copy2(faults / "detections.md", out / "detections.md"))
-        csv = Path(shutil.copy2(faults / "detections.csv", out / "detections.csv"))
-        rep.files += [png, md, csv] + ([pdf] if pdf != png else [])
-        rep.sections.append(
-            _section("Fault detection", [("fault_detection", (png, pdf))], [("detections", md)])
-        )
-
-    # (e) downstream accuracy against FLOPs
-    if not evals:
-        rep.missing.append("downstream: no evals/<run>.json yet; the figure shows published models")
-    try:
-        celerity = celerity_table(celerity_plan)
-    except Exception as err:  # a missing config must not cost the rest of the report
-        celerity = None
-        rep.missing.append(f"Celerity FLOPs not computed (planner failed: {err}); not plotted")
-    table = downstream_table(read_published(), celerity, evals, runs, family_name)
-    figs = rep.figure(plot_downstream(table), "downstream_vs_flops")
-    md = rep.table(table, "downstream", _downstream_markdown(table))
-    rep.sections.append(
-        _section("Downstream accuracy", [("downstream_vs_flops", figs)], [("downstream", md)])
-    )
-
+    for s in SECTIONS:
+        _BUILDERS[s.key](inputs, rep)
+    rep.captions()
     index = out / "index.md"
-    index.write_text(_index(family_name, layout, rep))
+    index.write_text(_index(layout.root.name, layout, rep))
     return [*rep.files, index]
 
 
-def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
+def _family_section(inputs: _Inputs, rep: _Report) -> None:
+    """(f) the family table first: it is the overview."""
+    if inputs.runs is None:
+        return
+    table = family_table(inputs.layout, inputs.runs, inputs.matrix, inputs.evals, inputs.gates)
+    rep.table(table, "family_table", _family_markdown(table))
+    rep.add_section("family")
+
+
+def _collapse_section(inputs: _Inputs, rep: _Report) -> None:
+    """(a) normalized curves and residuals per band."""
+    if inputs.matrix is None:
+        return
+    bands = _bands(inputs.layout, inputs.runs, inputs.matrix)
+    if not bands:
+        rep.missing.append("collapse figure: no family run has a curve yet")
+        return
+    thresholds = {}
+    band_of = inputs.runs.set_index("run")["tpp_band"]
+    for run, v in inputs.gates.items():
+        band = band_of.get(run)
+        if band is not None and v.get("threshold") is not None:
+            thresholds.setdefault(float(band), float(v["threshold"]))
+    rep.figure(plot_collapse_curves(bands, inputs.sizes, thresholds), "collapse_curves")
+    no_ref = [_band_label(b.band) for b in bands if b.reference is None]
+    if no_ref:
+        rep.missing.append(
+            f"no reference curve for TPP band(s) {', '.join(no_ref)}: residual panels empty"
+        )
+    rep.add_section("collapse")
+
+
+def _delta_sigma_section(inputs: _Inputs, rep: _Report) -> None:
+    """(b) Delta against sigma per band, and the collapse summary."""
+    stats = load_collapse_stats(inputs.layout, inputs.family_bands)
+    if not stats:
+        rep.missing.append(
+            "Delta vs sigma: no collapse/tpp<band>/collapse.json yet (collapse_stats)"
+        )
+        return
+    rep.figure(plot_delta_sigma(stats, inputs.sizes), "delta_sigma")
+    summary = collapse_summary(stats)
+    shown = summary.assign(
+        score_mean_delta=summary["score_mean_delta"].map(_fixed(5)),
+        delta_over_sigma_late=summary["delta_over_sigma_late"].map(_fixed(2)),
+    )
+    rep.table(summary, "collapse_summary", shown)
+    rep.add_section("delta_sigma")
+    lacking = [_band_label(b) for b in inputs.family_bands if b not in stats]
+    if lacking:
+        rep.missing.append(f"no collapse statistics for TPP band(s) {', '.join(lacking)}")
+
+
+def _gates_section(inputs: _Inputs, rep: _Report) -> None:
+    """(c) every gated run: the summary figure, the table and each run's evidence plot."""
+    gates = inputs.gates
+    if not gates:
+        rep.missing.append("gates: no gates/<run>.json yet (gate rule)")
+        return
+    table = gates_table(gates, inputs.runs)
+    (rep.out / "gates").mkdir(exist_ok=True)
+    for run, v in gates.items():
+        if v["_png"].is_file():
+            rep.files.append(Path(shutil.copy2(v["_png"], rep.out / "gates" / f"{run}.png")))
+    rep.figure(plot_gate_summary(table), "gate_summary")
+    rep.table(table, "gates", _gates_markdown(table))
+    evidence = "\n".join(  # failures shown inline, passes linked
+        f"- {run} ({v.get('status')}): ![gate {run}](gates/{run}.png)"
+        if v.get("status") in ("fail", "overridden")
+        else f"- {run} ({v.get('status')}): [evidence](gates/{run}.png)"
+        for run, v in gates.items()
+        if v["_png"].is_file()
+    )
+    rep.add_section("gates", "\n### Evidence per run\n\n" + evidence + "\n" if evidence else "")
+
+
+def _contrast_section(inputs: _Inputs, rep: _Report) -> None:
     """Family against its contrast (family.contrast), measured by the same statistics and
     gates: the method holds tau fixed; the contrast holds lambda fixed and lets tau drift."""
     from collapse.compare import comparison_figure, comparison_table, family_row
     from collapse.plan import contrast_members
 
+    layout = inputs.layout
     if not (layout.contrast_dir / "collapse").is_dir():
         return
     contrast = family_row(layout.root, "lambda held fixed: tau drifts with size", Role.CONTRAST)
@@ -1019,7 +1000,7 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
         r for r in family_row(layout.root, "tau held fixed (the method)") if r["band"] in bands
     ]
     rows = pd.DataFrame(family + contrast)
-    figs = rep.figure(comparison_figure(rows), "contrast")
+    rep.figure(comparison_figure(rows), "contrast")
     table = comparison_table(rows)
     shown = table.copy()
     digits = {"score_mean_delta": 5, "delta_over_sigma_late": 2}
@@ -1028,14 +1009,65 @@ def _contrast_section(layout: FamilyLayout, rep: _Report) -> None:
     digits |= dict.fromkeys(["ell_half_smallest", "ell_half_largest"], 3)
     for col, n in digits.items():
         shown[col] = shown[col].map(_fixed(n))
-    md = rep.table(table, "contrast", shown)
+    rep.table(table, "contrast", shown)
     runs = pd.read_csv(layout.plan_dir / "runs.csv")
     taus = contrast_members(runs).groupby("size", sort=False)["tau"].first()
     drift = ", ".join(f"{size} {tau:.3f}" for size, tau in taus.items())
-    rep.sections.append(
-        _section("Contrast: tau not held fixed", [("contrast", figs)], [("contrast", md)])
-        + f"\nThe contrast's tau by size: {drift}.\n"
-    )
+    rep.add_section("contrast", f"\nThe contrast's tau by size: {drift}.\n")
+
+
+def _sweeps_section(inputs: _Inputs, rep: _Report) -> None:
+    """(d) early-stopped sweeps: predictions and how well each method selects."""
+    predictions, metrics = load_sweeps(inputs.layout)
+    if not len(predictions):
+        rep.missing.append("sweeps: no sweeps/<name>/predictions.csv (no sweep run yet, or none)")
+        return
+    from collapse.sweep import metrics_markdown, plot_sweep_metrics
+
+    rep.figure(plot_sweep_predictions(predictions, inputs.runs), "sweep_predictions")
+    rep.figure(plot_sweep_metrics(metrics), "sweep_metrics")
+    rep.table(metrics, "sweep_metrics", markdown=metrics_markdown(metrics))
+    rep.table(sweep_predictions_table(predictions), "sweep_predictions")
+    rep.add_section("sweeps")
+
+
+def _faults_section(inputs: _Inputs, rep: _Report) -> None:
+    """The fault-detection experiment (when the family has one), as the detect rule drew it."""
+    faults = inputs.layout.faults_dir
+    if not ((faults / "detections.csv").is_file() and (faults / "detections.png").is_file()):
+        return
+    rep.copied_figure(faults / "detections.png", faults / "detections.pdf", "fault_detection")
+    rep.copied_table(faults / "detections.csv", faults / "detections.md", "detections")
+    rep.add_section("faults")
+
+
+def _downstream_section(inputs: _Inputs, rep: _Report) -> None:
+    """(e) downstream accuracy against FLOPs, with the published models and Celerity."""
+    if not inputs.evals:
+        rep.missing.append("downstream: no evals/<run>.json yet; the figure shows published models")
+    try:
+        celerity = celerity_table(inputs.celerity_plan)
+    except Exception as err:  # a missing config must not cost the rest of the report
+        celerity = None
+        rep.missing.append(f"Celerity FLOPs not computed (planner failed: {err}); not plotted")
+    family_name = inputs.layout.root.name
+    table = downstream_table(read_published(), celerity, inputs.evals, inputs.runs, family_name)
+    rep.figure(plot_downstream(table), "downstream_vs_flops")
+    rep.table(table, "downstream", _downstream_markdown(table))
+    rep.add_section("downstream")
+
+
+# section key (collapse.artifacts.SECTIONS) -> the function that writes it
+_BUILDERS = {
+    "family": _family_section,
+    "collapse": _collapse_section,
+    "delta_sigma": _delta_sigma_section,
+    "gates": _gates_section,
+    "contrast": _contrast_section,
+    "sweeps": _sweeps_section,
+    "faults": _faults_section,
+    "downstream": _downstream_section,
+}
 
 
 def _gates_markdown(table: pd.DataFrame) -> pd.DataFrame:
@@ -1057,25 +1089,6 @@ def _downstream_markdown(table: pd.DataFrame) -> pd.DataFrame:
     shown["on_frontier"] = shown["on_frontier"].map({True: "yes", False: ""})
     keep = ["model", "group", "params", "tokens", "flops", "avg_acc_pct", "on_frontier"]
     return shown[keep + ["flops_source"]]
-
-
-def _section(title: str, figures: list, tables: list) -> str:
-    lines = [f"## {title}", ""]
-    for name, (png, pdf) in figures:
-        lines += [
-            f"![{FIGURES[name]}]({png.name})",
-            "",
-            f"*{FIGURES[name]}* ([PDF]({pdf.name}))",
-            "",
-        ]
-    for name, md in tables:
-        lines += [
-            f"**{TABLES[name]}** ([CSV]({name}.csv), [Markdown]({md.name}))",
-            "",
-            md.read_text().rstrip(),
-            "",
-        ]
-    return "\n".join(lines)
 
 
 def _index(family: str, layout: FamilyLayout, rep: _Report) -> str:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure  # no pyplot: renders with Agg, no display, no global state
+
+from collapse.plotting import Figure
 
 PREDICTION_COLUMNS = ("run", "fraction", "method", "predicted_final_loss")
 TRUTH_COLUMNS = ("run", "true_final_loss")

@@ -217,3 +217,27 @@ def data_resource(rule, key):
     """One resource of a data rule's job; None leaves it unset."""
     value = DATA_REQUESTS[rule].resources(CFG.cluster)[key]
     return lambda wildcards: value
+
+
+# The analysis rules (reference, collapse_stats, gate) measure two scopes the same way: the
+# family, and its contrast (family.contrast) with its own runs. Wildcard ``scope`` is "" for
+# the family (results/<family>/reference/...) and "contrast/" for the contrast
+# (results/<family>/contrast/reference/...).
+SCOPES = "(contrast/)?"
+
+
+def scope_curves(wildcards, *, reference_only=False):
+    """The curves a scope is measured on: the family's runs of the band, or the contrast's
+    runs (one band)."""
+    if wildcards.scope:
+        runs = contrast_runs(reference_only=reference_only)
+    else:
+        runs = runs_in_band(wildcards.band, reference_only=reference_only)
+    return [curve(r) for r in runs]
+
+
+def scope_reference(wildcards):
+    """The reference a run is gated against: its band's, or the contrast's."""
+    if wildcards.scope:
+        return f"{CONTRAST_ROOT}/reference/tpp{CONTRAST_BAND}/reference.csv"
+    return spec_reference(wildcards.run)

@@ -1,19 +1,24 @@
 rule gate:
-    """Residual of one run against its band's reference: a pass/fail verdict and its evidence."""
+    """Residual of one run against its scope's reference: a pass/fail verdict and its evidence."""
     input:
         curve=f"{ROOT}/runs/{{run}}/curve.parquet",
-        reference=lambda wc: str(reference_csv(LAYOUT, spec_of(wc).tpp_band)),
+        reference=scope_reference,
         runs=f"{PLAN_OUT}/runs.csv",
     output:
-        verdict=f"{ROOT}/gates/{{run}}.json",
-        plot=f"{ROOT}/gates/{{run}}.png",
+        verdict=f"{ROOT}/{{scope}}gates/{{run}}.json",
+        plot=f"{ROOT}/{{scope}}gates/{{run}}.png",
     log:
-        f"{ROOT}/logs/gates/{{run}}.log",
+        f"{ROOT}/logs/{{scope}}gates/{{run}}.log",
+    wildcard_constraints:
+        scope=SCOPES,
     conda:
         "../../envs/collapse.yaml"
     params:
+        # a family run the policy lets fail; its contrast gate is measured as any other
         allow_fail=lambda wc: (
-            "--allow-fail" if wc.run in FAMILY.gates.allow_fail else ""
+            "--allow-fail"
+            if not wc.scope and wc.run in FAMILY.gates.allow_fail
+            else ""
         ),
         policy=FAMILY.gates.model_dump_json(),
     shell:
@@ -25,13 +30,15 @@ rule gate:
 rule collapse_stats:
     """Delta across sizes and seeds against the seed noise floor sigma; supercollapse verdict."""
     input:
-        curves=lambda wc: [curve(r) for r in runs_in_band(wc.band)],
+        curves=scope_curves,
         runs=f"{PLAN_OUT}/runs.csv",
-        reference=f"{ROOT}/reference/tpp{{band}}/reference.csv",
+        reference=f"{ROOT}/{{scope}}reference/tpp{{band}}/reference.csv",
     output:
-        stats=f"{ROOT}/collapse/tpp{{band}}/collapse.json",
+        stats=f"{ROOT}/{{scope}}collapse/tpp{{band}}/collapse.json",
     log:
-        f"{ROOT}/logs/collapse/tpp{{band}}.log",
+        f"{ROOT}/logs/{{scope}}collapse/tpp{{band}}.log",
+    wildcard_constraints:
+        scope=SCOPES,
     conda:
         "../../envs/collapse.yaml"
     params:

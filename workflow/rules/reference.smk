@@ -1,13 +1,15 @@
 rule reference:
     """Normalized curves of the reference sizes -> reference curve (+ Eq. 4 surrogate) per band."""
     input:
-        curves=lambda wc: [curve(r) for r in runs_in_band(wc.band, reference_only=True)],
+        curves=lambda wc: scope_curves(wc, reference_only=True),
         runs=f"{PLAN_OUT}/runs.csv",
     output:
-        reference=f"{ROOT}/reference/tpp{{band}}/reference.csv",
-        summary=f"{ROOT}/reference/tpp{{band}}/reference.json",
+        reference=f"{ROOT}/{{scope}}reference/tpp{{band}}/reference.csv",
+        summary=f"{ROOT}/{{scope}}reference/tpp{{band}}/reference.json",
     log:
-        f"{ROOT}/logs/reference/tpp{{band}}.log",
+        f"{ROOT}/logs/{{scope}}reference/tpp{{band}}.log",
+    wildcard_constraints:
+        scope=SCOPES,
     priority: REFERENCE_PRIORITY  # every monitored run waits for it
     conda:
         "../../envs/collapse.yaml"

@@ -1,11 +1,9 @@
+from collapse.artifacts import reported
+
 REPORT = f"{ROOT}/report"
-FIGURES = ["collapse_curves", "delta_sigma", "gate_summary", "downstream_vs_flops"]
-if SWEEPS:
-    FIGURES += ["sweep_predictions", "sweep_metrics"]
-if FAULTS_ON:
-    FIGURES += ["fault_detection"]
-if CONTRAST_ON:
-    FIGURES += ["contrast"]
+# The figures and tables --report shows (collapse.artifacts, the one list the report stage
+# writes from); their captions are written by the report stage itself, from the same list.
+REPORTED = reported(sweeps=bool(SWEEPS), faults=FAULTS_ON, contrast=CONTRAST_ON)
 
 
 rule report:
@@ -25,19 +23,15 @@ rule report:
         ),
     output:
         index=f"{REPORT}/index.md",
-        figures=[
+        reported=[
             report(
-                f"{REPORT}/{name}.png",
-                caption=f"../report/{name}.rst",
-                category="collapse",
+                f"{REPORT}/{a.file}",
+                caption=os.path.abspath(f"{REPORT}/captions/{a.name}.rst"),
+                category=a.category,
             )
-            for name in FIGURES
+            for a in REPORTED
         ],
-        table=report(
-            f"{REPORT}/family_table.csv",
-            caption="../report/family_table.rst",
-            category="tables",
-        ),
+        captions=[f"{REPORT}/captions/{a.name}.rst" for a in REPORTED],
     log:
         f"{ROOT}/logs/report.log",
     conda:
