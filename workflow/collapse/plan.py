@@ -860,7 +860,7 @@ def plan_report_markdown(plan: Plan) -> str:
     show = [
         "run", "params", "tokens", "tpp", "batch_seqs", "steps", "lr_peak", "weight_decay", "tau",
         "warmup_steps", "flops", "tp", "pp", "dp", "gpus", "nodes", "wall_hours", "gpu_hours",
-        "epochs",
+        "epochs", "segments",
     ]  # fmt: skip
     fmt = t[show].copy()
     for col in ("params", "tokens", "flops"):
@@ -907,6 +907,7 @@ def plan_report_markdown(plan: Plan) -> str:
     ]
     if warnings := plan.warnings():
         lines += ["## Warnings", "", *(f"- {w}" for w in warnings), ""]
+    lines += time_limits.report_lines(plan.runs, cl)
     if cl.executor == "slurm":
         from collapse.launch import sbatch_request
 

@@ -156,3 +156,43 @@ def describe(plan: SegmentPlan) -> str:
         f"{plan.train_min_per_segment:.0f} min training each; checkpoint save "
         f"{plan.save_min:.2g} min)"
     )
+
+
+def report_lines(runs, cluster) -> list[str]:
+    """The plan report's section on the time limit: each run's jobs, segments first."""
+    if cluster.time_limit_min is None:
+        return []
+    cut = [r for r in runs if r.resources.segments > 1]
+    lines = [
+        "## Time limit and segments",
+        "",
+        f"The partition allows {cluster.time_limit_min:g} min per job (cluster.time_limit_min); "
+        "no job asks for more. "
+        + (
+            f"{len(cut)} of {len(runs)} runs are longer and train in segments, one job each, "
+            "chained in the workflow (rule train_segment, then the run's train job); each "
+            "segment saves a checkpoint and stops before the limit."
+            if cut
+            else "Every run fits in one job."
+        ),
+        "",
+    ]
+    if cut:
+        lines += [
+            "| run | size | segments | steps per segment | request per job | exit after | "
+            "checkpoint save |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in cut:
+            n, steps = r.resources.segments, r.optim.steps
+            target = max(1, min(steps, math.ceil(r.optim.stop_fraction * steps - 1e-9)))
+            ends = [segment_end(target, n, k) for k in range(1, n + 1)]
+            per = sorted({b - a for a, b in zip([0, *ends[:-1]], ends, strict=True)})
+            share = f"{per[0]}" if len(per) == 1 else f"{per[0]}-{per[-1]}"
+            lines.append(
+                f"| {r.run} | {r.size} | {n} | {share} "
+                f"| {r.resources.runtime_min} min | {r.resources.exit_duration_min:.4g} min "
+                f"| {r.resources.checkpoint_save_min * 60:.3g} s |"
+            )
+        lines.append("")
+    return lines
