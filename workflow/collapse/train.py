@@ -13,9 +13,16 @@ The job reads the spec and the datasets it names, resumes from the newest comple
 ``valid.parquet``, ``meta.json`` in ``spec.run_dir``) only when it has finished, atomically,
 ``meta.json`` last. A job stopped early leaves no outputs that look finished.
 
-Exit codes: 0 finished; 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (rerun to
-resume); 3 the online collapse monitor raised an alarm (checkpoint saved); 4 the loss became
-NaN/inf (the last good checkpoint is kept); 2 bad spec or data.
+A run longer than its cluster's time limit trains in segments (collapse.segments,
+docs/time-limits.md): ``--segment K`` trains to segment K's last step of
+``spec.resources.segments``, saves, and writes ``runs/<run>/segments/<K>.json`` instead of the
+outputs (the last segment writes the outputs). With ``spec.resources.exit_duration_min`` a job
+stops, saving, before that much time has passed (``TimeBudget``).
+
+Exit codes: 0 finished (or a segment before the last finished); 75 stopped by SIGTERM/SIGUSR1 or
+by the time budget after saving a checkpoint (rerun to resume); 3 the online collapse monitor
+raised an alarm (checkpoint saved); 4 the loss became NaN/inf (the last good checkpoint is
+kept); 2 bad spec or data.
 
 ``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
 checkpoints, the job log, the collapse monitor and its controls audit, TensorBoard, preemption and
