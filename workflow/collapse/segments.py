@@ -196,3 +196,31 @@ def report_lines(runs, cluster) -> list[str]:
             )
         lines.append("")
     return lines
+
+
+def cap_runtimes(rules, limit_min: float) -> None:
+    """Hold the ``runtime`` of every Snakemake rule in ``rules`` (its own, or the profile's
+    default-resources) to ``limit_min`` minutes, also where it is computed per job."""
+    from snakemake.resources import Resource
+
+    limit = int(limit_min)
+
+    def capped(runtime: Resource) -> Resource:
+        def cap(wildcards, input, attempt, threads, rulename, async_run):
+            value = runtime.evaluate(
+                wildcards,
+                input=input,
+                attempt=attempt,
+                threads=threads,
+                rulename=rulename,
+                async_run=async_run,
+            ).value
+            return min(value, limit) if isinstance(value, int) else value
+
+        return Resource("runtime", cap)
+
+    for rule in rules:
+        if "runtime" in rule.resources:
+            rule.resources["runtime"] = capped(rule.resources["runtime"])
+        else:
+            rule.resources["runtime"] = limit
