@@ -247,3 +247,15 @@ def test_a_job_stops_at_its_exit_duration_and_the_next_resumes(tmp_path, straigh
     assert "resumed from" in proc.stdout
     assert _curve(spec)["loss"].tolist() == _curve(straight)["loss"].tolist()
     assert math.isfinite(_curve(spec)["loss"].iloc[-1])
+
+
+def test_the_time_budget_attaches_before_preemption_where_the_plan_gives_one(tmp_path):
+    from collapse.callbacks import Preemption
+    from collapse.train import callbacks_for
+
+    preemption = Preemption.__new__(Preemption)  # its handlers stay out of this process
+    names = [type(c).__name__ for c in callbacks_for(_spec(tmp_path, "a"), preemption)]
+    assert "TimeBudget" not in names
+    timed = _spec(tmp_path, "b", exit_duration_min=30.0)
+    names = [type(c).__name__ for c in callbacks_for(timed, preemption)]
+    assert names[-3:] == ["TimeBudget", "Preemption", "Checkpointing"]
