@@ -32,7 +32,7 @@ from slurm.cluster import (
 )
 from workflow_cli import snakemake_cmd
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.ci]  # 2.5 min here
 
 FAMILY = "smoke"
 RUN = "d32-tpp4-s0"  # a reference size: not monitored, so it needs no reference curve
