@@ -24,3 +24,7 @@ rule all:
     default_target: True
     input:
         rules.report.output,
+
+
+# last: caps the runtime of every rule above at the cluster's time limit
+include: "workflow/rules/limits.smk"

@@ -103,8 +103,8 @@ def test_requests_stay_within_the_partition():
     with pytest.raises(jobs.ResourceError, match="65 CPUs"):
         jobs.capped(jobs.JobRequest(65, 1000, 10), limits, "job")
     cfg = load_config(["family=celerity", "cluster=slurm_h100"])
-    # one node of slurm_h100: 8 GPUs x 8 CPUs, 8 x 120 GB
-    assert jobs.partition_limits(cfg.cluster) == jobs.Limits(64, 8 * 120 * 1024, None)
+    # one node of slurm_h100: 8 GPUs x 8 CPUs, 8 x 120 GB, and the partition's 48 h
+    assert jobs.partition_limits(cfg.cluster) == jobs.Limits(64, 8 * 120 * 1024, 2880)
 
 
 def test_the_corpus_data_job_is_sized_from_the_corpus_bytes():

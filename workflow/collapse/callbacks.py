@@ -139,7 +139,8 @@ class Evaluation(Callback):
 
     def on_step_end(self, loop: Loop) -> None:
         every, step = loop.spec.logging.eval_every_steps, loop.step
-        if not ((every > 0 and step % every == 0) or step == loop.target):
+        # the run's last step, not a segment's: a run in segments evaluates as one job would
+        if not ((every > 0 and step % every == 0) or step == loop.run_target):
             return
         valid_loss = loop.evaluate()
         loop.state.valid.append(
@@ -238,13 +239,43 @@ class Preemption(Callback):
         self.signal = signum
 
     def on_step_start(self, loop: Loop) -> None:
-        loop.stop_requested = 1.0 if self.signal is not None else 0.0
+        if self.signal is not None:
+            loop.stop_requested = 1.0
+            loop.stop_reason = f"signal {signal.Signals(self.signal).name}"
 
     def on_step_end(self, loop: Loop) -> None:
         if loop.stop_anywhere:
             loop.save_checkpoint()
-            log(f"stop signal received: saved step {loop.step}; rerun to resume")
+            why = loop.stop_reason or "another rank asked to stop"
+            log(f"stop requested ({why}): saved step {loop.step}; rerun to resume")
             loop.exit_code = EXIT_PREEMPTED
+
+
+class TimeBudget(Callback):
+    """Stop before the job's time runs out, as Megatron-LM's ``--exit-duration-in-mins``: when
+    the time since the job started, plus the coming step, plus a checkpoint save would pass
+    ``exit_duration_s``, the coming step is the last; ``Preemption`` (after it in the list)
+    saves and exits 75, and the job's retry resumes. A save is estimated by the plan
+    (``resources.checkpoint_save_min``) until this job has timed one of its own; a step by
+    the slowest this job trained. Every rank decides alike: the request travels with the loss."""
+
+    def __init__(self, exit_duration_s: float, save_estimate_s: float):
+        self.exit_duration_s = exit_duration_s
+        self.save_estimate_s = save_estimate_s
+        self.slowest_step_s = 0.0
+
+    def on_step_start(self, loop: Loop) -> None:
+        save_s = max(self.save_estimate_s, loop.slowest_save_s)
+        elapsed = time.time() - loop.started
+        if elapsed + self.slowest_step_s + save_s > self.exit_duration_s:
+            loop.stop_requested = 1.0
+            loop.stop_reason = (
+                f"time budget: {elapsed:.0f} s elapsed + a step {self.slowest_step_s:.1f} s + a "
+                f"save {save_s:.1f} s > exit duration {self.exit_duration_s:.0f} s"
+            )
+
+    def on_step_end(self, loop: Loop) -> None:
+        self.slowest_step_s = max(self.slowest_step_s, loop.seconds)
 
 
 class Checkpointing(Callback):

@@ -513,6 +513,22 @@ class ClusterSpec(_Spec):
     account: str = ""
     runtime_margin: Annotated[float, Field(ge=1)] = 1.5  # requested time = estimate x margin
     min_runtime_min: PositiveInt = 10
+    # time limits (collapse.segments): the partition's limit caps every job's request, and a
+    # run longer than it trains in segments, one job each, chained in the workflow
+    time_limit_min: float | None = None  # None: no limit (this machine)
+    checkpoint_gb_per_s: PositiveFloat = 1.0  # write (and read) speed of the checkpoint disk
+    job_startup_min: Annotated[float, Field(ge=0)] = 2.0  # job start to the first step
+
+    @field_validator("time_limit_min")
+    @classmethod
+    def _positive_time_limit(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError(
+                f"the partition's time limit must be > 0 minutes, got {value:g}; set it to the "
+                "partition's MaxTime in minutes (`sinfo -o '%P %l'` shows it), or remove the key "
+                "for no limit"
+            )
+        return value
 
     @model_validator(mode="after")
     def _gpu_facts(self) -> ClusterSpec:

@@ -50,11 +50,20 @@ SIGNAL_LEAD_MIN_S = 60
 SIGNAL_LEAD_MAX_S = 600
 
 
-def train_command(spec: RunSpec, spec_path: str, *, executor: Executor) -> str:
+def signal_lead_s(runtime_min: int) -> int:
+    """Seconds before a job's time limit that Slurm sends the early SIGTERM (``--signal``)."""
+    runtime_s = runtime_min * 60
+    return min(SIGNAL_LEAD_MAX_S, max(SIGNAL_LEAD_MIN_S, runtime_s // 10), runtime_s // 2)
+
+
+def train_command(
+    spec: RunSpec, spec_path: str, *, executor: Executor, segment: int | None = None
+) -> str:
     """The shell command that trains ``spec`` (read from ``spec_path``) under ``executor``.
 
     One process: ``python -m collapse.train``; several processes on one node (CPU/gloo ranks or
     one per GPU): ``torchrun --standalone``; several nodes (Slurm only): srun + torchrun.
+    ``segment``: the job trains that segment of a run cut by its time limit (collapse.segments).
     """
     check_parallel(spec)
     p = spec.parallel
@@ -67,6 +76,8 @@ def train_command(spec: RunSpec, spec_path: str, *, executor: Executor) -> str:
             "one node per run)"
         )
     args = ["--spec", spec_path]
+    if segment is not None:
+        args += ["--segment", str(segment)]
     if p.nodes > 1:
         return multinode_command(
             TRAIN_MODULE,
@@ -120,8 +131,7 @@ def slurm_resources(spec: RunSpec) -> dict[str, int | str | None]:
     p, r = spec.parallel, spec.resources
     multinode = p.nodes > 1
     gpus_per_node = r.gpus_per_node if p.gpus > 0 else 0
-    runtime_s = r.runtime_min * 60
-    lead_s = min(SIGNAL_LEAD_MAX_S, max(SIGNAL_LEAD_MIN_S, runtime_s // 10), runtime_s // 2)
+    lead_s = signal_lead_s(r.runtime_min)
     # --requeue: preemption puts the job back in the queue (it resumes from its checkpoint);
     # --open-mode=append: the requeued job appends to its Slurm log instead of truncating it
     extra = f"--requeue --open-mode=append --signal=TERM@{lead_s}"

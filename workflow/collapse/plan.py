@@ -33,6 +33,7 @@ import pandas as pd
 
 from collapse import flops as flops_rules
 from collapse import parallel, scaling
+from collapse import segments as time_limits
 from collapse.config import (
     ClusterSpec,
     Config,
@@ -68,6 +69,7 @@ RUNS_COLUMNS = [
     "weight_decay", "tau", "warmup_steps", "stop_fraction", "flops_6nd", "flops", "tp", "pp", "dp",
     "micro_batch_seqs", "grad_accum", "gpus", "nodes", "wall_hours", "gpu_hours", "epochs",
     "memory_gb_per_gpu", "is_reference", "monitored", "fault", "same_as",
+    "segments",
 ]  # fmt: skip
 
 
@@ -421,7 +423,34 @@ class ResourcePlan(ABC):
         c = self.cluster
         return max(c.min_runtime_min, math.ceil(wall_hours * 60 * c.runtime_margin))
 
-    def resources(self, lay: parallel.Layout, wall_hours: float) -> Resources:
+    def segments(
+        self, wall_hours: float, params: int, steps: float, what: str
+    ) -> time_limits.SegmentPlan:
+        """The run's jobs under the cluster's time limit (collapse.segments)."""
+        c = self.cluster
+        return time_limits.plan_segments(
+            wall_hours * 60,
+            c.time_limit_min,
+            margin=c.runtime_margin,
+            min_runtime_min=c.min_runtime_min,
+            save_min=time_limits.save_minutes(params, c.accelerator, c.checkpoint_gb_per_s),
+            startup_min=c.job_startup_min,
+            step_min=wall_hours * 60 / max(1.0, steps),
+            checkpoint_gb=time_limits.checkpoint_bytes(params, c.accelerator) / time_limits.GB,
+            what=what,
+        )
+
+    def resources(
+        self, lay: parallel.Layout, wall_hours: float, seg: time_limits.SegmentPlan | None = None
+    ) -> Resources:
+        limits = {}
+        if seg is not None:
+            limits = dict(
+                runtime_min=seg.runtime_min,
+                segments=seg.segments,
+                exit_duration_min=round(seg.exit_duration_min, 3),
+                checkpoint_save_min=round(seg.save_min, 3),
+            )
         return Resources(
             threads=self.threads(lay),
             mem_mb=self.mem_mb(lay),
@@ -430,7 +459,7 @@ class ResourcePlan(ABC):
             runtime_min=self.runtime_min(wall_hours),
             slurm_partition=self.cluster.partition,
             slurm_account=self.cluster.account,
-        )
+        ).model_copy(update=limits)
 
 
 class GpuResources(ResourcePlan):
@@ -595,6 +624,9 @@ class Planner:
         name = role.run_name(
             size.name, tpp, seed, sweep=sweep, variant=run.variant, fault=fault.name, tau=run.tau
         )
+        seg = self.resources.segments(
+            wall_hours, run.model.count.total, run.steps * stop_fraction, f"size {size.name}"
+        )
         spec = RunSpec(
             run=name,
             family=self.family.name,
@@ -613,7 +645,7 @@ class Planner:
             mup=run.mup,
             optim=run.optimization(seed, stop_fraction),
             parallel=parallelism(lay),
-            resources=self.resources.resources(lay, wall_hours),
+            resources=self.resources.resources(lay, wall_hours, seg),
             logging=run.logging(),
             monitor=self.monitor(run, name, monitored),
             fault=fault,
@@ -626,6 +658,7 @@ class Planner:
             "is_reference": self.is_reference(role, size),
             "monitored": monitored,
             "fault": fault.name if role == Role.FAULT else "",
+            "segments": seg.segments,
         }
         return Planned(spec, facts)
 
@@ -790,7 +823,7 @@ def plan_family(cfg: Config, corpus_tokens: int | None = None) -> Plan:
         corpus_tokens, corpus_unknown = corpus_size(cfg)
     try:
         planned = list(Planner(cfg, corpus_tokens).all_runs())
-    except parallel.LayoutError as err:
+    except (parallel.LayoutError, time_limits.SegmentError) as err:
         raise ConfigError(f"cluster {cfg.cluster.name!r}: {err}") from None
     runs = [p.spec for p in planned]
     _check_ranges(runs)
@@ -901,7 +934,7 @@ def plan_report_markdown(plan: Plan) -> str:
     show = [
         "run", "params", "tokens", "tpp", "batch_seqs", "steps", "lr_peak", "weight_decay", "tau",
         "warmup_steps", "flops", "tp", "pp", "dp", "gpus", "nodes", "wall_hours", "gpu_hours",
-        "epochs",
+        "epochs", "segments",
     ]  # fmt: skip
     fmt = t[show].copy()
     for col in ("params", "tokens", "flops"):
@@ -950,6 +983,7 @@ def plan_report_markdown(plan: Plan) -> str:
         lines += [layouts]
     if warnings := plan.warnings():
         lines += ["## Warnings", "", *(f"- {w}" for w in warnings), ""]
+    lines += time_limits.report_lines(plan.runs, cl)
     if cl.executor == "slurm":
         from collapse.launch import sbatch_request
 

@@ -111,6 +111,10 @@ class Resources(_Strict):
     runtime_min: int
     slurm_partition: str = ""
     slurm_account: str = ""
+    # time limits (collapse.segments): jobs the run trains in, when each stops, a save's cost
+    segments: int = 1
+    exit_duration_min: float = 0.0  # 0: no stop by time
+    checkpoint_save_min: float = 0.0
 
 
 class Logging(_Strict):

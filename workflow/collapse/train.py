@@ -13,9 +13,16 @@ The job reads the spec and the datasets it names, resumes from the newest comple
 ``valid.parquet``, ``meta.json`` in ``spec.run_dir``) only when it has finished, atomically,
 ``meta.json`` last. A job stopped early leaves no outputs that look finished.
 
-Exit codes: 0 finished; 75 stopped by SIGTERM/SIGUSR1 after saving a checkpoint (rerun to
-resume); 3 the online collapse monitor raised an alarm (checkpoint saved); 4 the loss became
-NaN/inf (the last good checkpoint is kept); 2 bad spec or data.
+A run longer than its cluster's time limit trains in segments (collapse.segments,
+docs/time-limits.md): ``--segment K`` trains to segment K's last step of
+``spec.resources.segments``, saves, and writes ``runs/<run>/segments/<K>.json`` instead of the
+outputs (the last segment writes the outputs). With ``spec.resources.exit_duration_min`` a job
+stops, saving, before that much time has passed (``TimeBudget``).
+
+Exit codes: 0 finished (or a segment before the last finished); 75 stopped by SIGTERM/SIGUSR1 or
+by the time budget after saving a checkpoint (rerun to resume); 3 the online collapse monitor
+raised an alarm (checkpoint saved); 4 the loss became NaN/inf (the last good checkpoint is
+kept); 2 bad spec or data.
 
 ``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
 checkpoints, the job log, the collapse monitor and its controls audit, TensorBoard, preemption and
@@ -64,6 +71,7 @@ from collapse.callbacks import (  # the job's exit codes: its callers import the
     NonFiniteLoss,
     Preemption,
     Progress,
+    TimeBudget,
     TrainingError,
     call,
     log,
@@ -625,7 +633,11 @@ class Loop:
     data_step: int = 0
     reduce_loss: LossReduction = token_mean
     stop_requested: float = 0.0
+    stop_reason: str = ""  # why this rank asked to stop (the log's words)
     stop_anywhere: bool = False
+    slowest_save_s: float = 0.0  # the longest checkpoint save of this job
+    run_target: int = 0  # the run's last step (a segment's job trains to ``target``)
+    segment: int | None = None  # the segment this job trains, of spec.resources.segments
     weight_decay: float = math.nan
     loss: float = math.nan
     lr: float = math.nan
@@ -637,10 +649,12 @@ class Loop:
         self.wall_before = self.state.wall_time_s
         self.total = self.spec.optim.steps
         self.batch_tokens = self.spec.optim.batch_seqs * self.spec.model.seq_len
+        self.run_target = self.run_target or self.target
 
     def begin(self, step: int) -> None:
         self.step, self.step_started = step, time.time()
         self.data_step, self.reduce_loss = step, token_mean
+        self.stop_requested, self.stop_reason = 0.0, ""
 
     def row(self) -> dict:
         """This step's row of curve.parquet."""
@@ -674,7 +688,10 @@ class Loop:
 
     def save_checkpoint(self) -> Path:
         self.update_wall_time()
-        return save_checkpoint(self.stack, self.spec, self.state)
+        began = time.time()
+        path = save_checkpoint(self.stack, self.spec, self.state)
+        self.slowest_save_s = max(self.slowest_save_s, time.time() - began)
+        return path
 
     def checkpoint_exists(self) -> bool:
         return checkpoint_exists_for(self.spec, self.state.step)
@@ -684,9 +701,10 @@ class Loop:
             write_outputs(self.spec, self.state, self.stack, self.target, stopped)
 
 
-def start(spec: RunSpec, started: float) -> Loop:
+def start(spec: RunSpec, started: float, segment: int | None = None) -> Loop:
     """Everything before the first step: threads, patches, data, the lock on the run, the world,
-    the model and optimizer, and the resume from the newest complete checkpoint."""
+    the model and optimizer, and the resume from the newest complete checkpoint. ``segment``:
+    the job trains only that segment of the run (collapse.segments)."""
     import megatron_patches
 
     threads = set_threads(spec)
@@ -709,6 +727,7 @@ def start(spec: RunSpec, started: float) -> Loop:
     train_set, valid_set = build_datasets(spec)
     stack = build_stack(spec)
     state = resume(stack, spec)
+    run_target = steps_target(spec)
     return Loop(
         spec,
         stack,
@@ -716,10 +735,36 @@ def start(spec: RunSpec, started: float) -> Loop:
         train_set,
         valid_set,
         train_tokens_in_dataset(train_set),
-        steps_target(spec),
+        segment_target(spec, segment, run_target),
         started,
         lock,
+        run_target=run_target,
+        segment=segment,
     )
+
+
+def segment_target(spec: RunSpec, segment: int | None, run_target: int) -> int:
+    """The last step this job trains: the run's, or its segment's (collapse.segments)."""
+    if segment is None:
+        return run_target
+    from collapse.segments import segment_end
+
+    segments = spec.resources.segments
+    if not 1 <= segment <= segments:
+        raise TrainingError(
+            f"--segment {segment}: the spec plans resources.segments={segments}; pass 1.."
+            f"{segments}",
+            EXIT_BAD_INPUT,
+        )
+    return segment_end(run_target, segments, segment)
+
+
+def time_budget(spec: RunSpec) -> list[Callback]:
+    """The stop by time, where the plan gives the job an exit duration (a cluster time limit)."""
+    r = spec.resources
+    if r.exit_duration_min <= 0:
+        return []
+    return [TimeBudget(r.exit_duration_min * 60, r.checkpoint_save_min * 60)]
 
 
 def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
@@ -734,14 +779,14 @@ def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
     callbacks += [Progress(), Evaluation(), *tracking_for(spec, monitor)]
     if spec.monitor.enabled:
         callbacks.append(CollapseMonitor(monitor))
-    return [*callbacks, preemption, Checkpointing()]
+    return [*callbacks, *time_budget(spec), preemption, Checkpointing()]
 
 
-def run(spec: RunSpec) -> int:
-    """Train (or resume) one run; return the exit code."""
+def run(spec: RunSpec, segment: int | None = None) -> int:
+    """Train (or resume) one run, or one segment of it; return the exit code."""
     started = time.time()
     preemption = Preemption()  # first: a signal during the setup stops the run after a step
-    loop = start(spec, started)
+    loop = start(spec, started, segment)
     callbacks = callbacks_for(spec, preemption)
     call(callbacks, "on_train_start", loop)
     for step in range(loop.first_step, loop.target + 1):
@@ -761,12 +806,39 @@ def run(spec: RunSpec) -> int:
             return loop.exit_code
     loop.update_wall_time()
     call(callbacks, "on_train_end", loop)
+    if loop.target < loop.run_target:  # a segment before the last: its checkpoint, its marker
+        finish_segment(loop)
+        return EXIT_OK
     loop.write_outputs()
     log(
         f"done: {loop.state.step} steps, final loss {loop.state.curve[-1]['loss']:.4f}, "
         f"{loop.state.train_time_s:.1f} s training"
     )
     return EXIT_OK
+
+
+def finish_segment(loop: Loop) -> None:
+    """A segment's end: its checkpoint is saved (Checkpointing.on_train_end); the marker the
+    next segment's job waits for says so."""
+    from collapse.segments import write_marker
+
+    if rank() == 0:
+        path = write_marker(
+            loop.spec.run_dir,
+            loop.segment,
+            loop.spec.resources.segments,
+            {
+                "run": loop.spec.run,
+                "step": loop.state.step,
+                "steps_target": loop.run_target,
+                "wall_time_s": loop.state.wall_time_s,
+                "spec_hash": spec_hash(loop.spec),
+            },
+        )
+        log(
+            f"segment {loop.segment} of {loop.spec.resources.segments} done at step "
+            f"{loop.state.step} of {loop.run_target}: {path}"
+        )
 
 
 def steps_target(spec: RunSpec) -> int:
@@ -798,6 +870,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
     parser = argparse.ArgumentParser(prog="python -m collapse.train", description=__doc__)
     parser.add_argument("--spec", required=True, help="the run's RunSpec JSON")
+    parser.add_argument(
+        "--segment",
+        type=int,
+        default=None,
+        help="train only this segment (1-based) of a run planned in resources.segments jobs: "
+        "resume, train to its last step, save, and write runs/<run>/segments/<k>.json",
+    )
     args = parser.parse_args(argv)
     try:
         spec = RunSpec.load(args.spec)
@@ -805,7 +884,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read the run spec {args.spec}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        code = run(spec)
+        code = run(spec, args.segment)
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         code = err.exit_code

@@ -22,6 +22,7 @@ from collapse.launch import slurm_resources, train_command
 from collapse.plan import contrast_members, plan_family, reference_csv
 from collapse.roles import Role
 from collapse.runspec import spec_hash
+from collapse.segments import marker_path
 
 
 envvars:
@@ -129,7 +130,25 @@ def train_inputs(wildcards):
     # removed family reference retrains a finished run.
     if spec.monitor.enabled:
         inputs["reference"] = ancient(spec.monitor.reference_csv)
+    if previous := previous_segment(wildcards):
+        inputs["segment"] = previous
     return inputs
+
+
+# Runs longer than the cluster's time limit, by their number of jobs (collapse.segments):
+# segment k < n is rule train_segment, the last one the run's train job; each needs the last.
+SEGMENTS = {r.run: r.resources.segments for r in PLAN.runs if r.resources.segments > 1}
+
+
+def previous_segment(wildcards):
+    """The marker of the segment before this job's, or None (a first segment, or a run in one)."""
+    k = int(getattr(wildcards, "segment", SEGMENTS.get(wildcards.run, 1)))
+    return str(marker_path(LAYOUT.run_dir(wildcards.run), k - 1)) if k > 1 else None
+
+
+def last_segment(wildcards):
+    """The segment a run's train job trains: its last, or None for a run in one job."""
+    return SEGMENTS.get(wildcards.run)
 
 
 def monitor_reference_inputs(wildcards):
