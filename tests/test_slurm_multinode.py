@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from slurm.cluster import REPO, snakemake_env, snakemake_slurm_args, start_cluster
+from slurm.cluster import (
+    REPO,
+    snakemake_env,
+    snakemake_slurm_args,
+    start_cluster,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -144,3 +149,73 @@ def test_two_node_job_trains_the_one_process_curve(cluster, tmp_path, layout):
     )
     assert len(got) == len(expected) == spec["optim"]["steps"]
     assert diff < TOLERANCE, log[-2000:]
+
+
+# ------------------------------------------------------------------------------ bad requests
+def scontrol_job_field(job_id: str, field: str) -> str:
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True
+    )
+    return dict(w.split("=", 1) for w in shown.stdout.split() if "=" in w).get(field, "")
+
+
+def submit(*args: str) -> str:
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "-o", "/dev/null", *args, "--wrap", "true"],
+        capture_output=True,
+        text=True,
+    )
+    assert submitted.returncode == 0, submitted.stderr  # Slurm accepts the job ...
+    return submitted.stdout.strip().split(";")[0]
+
+
+@pytest.mark.ci
+def test_slurm_itself_refuses_or_strands_these_requests(cluster):
+    """What the workflow's check guards against, shown on Slurm itself: an unknown partition
+    fails at sbatch; a refused account or too many nodes waits in the queue for ever."""
+    unknown = subprocess.run(
+        ["sbatch", "-p", "nosuch", "--wrap", "true"], capture_output=True, text=True
+    )
+    assert unknown.returncode != 0 and "invalid partition" in unknown.stderr.lower()
+    refused = submit("-p", "restricted", "-A", "other")
+    stranded = submit("-p", "single", "-N", "2")
+    try:
+        time.sleep(3)  # a few scheduling passes: both stay pending, each with its reason
+        assert scontrol_job_field(refused, "JobState") == "PENDING"
+        assert "account" in scontrol_job_field(refused, "Reason").lower()
+        assert scontrol_job_field(stranded, "JobState") == "PENDING"
+        assert scontrol_job_field(stranded, "Reason") == "PartitionNodeLimit"
+    finally:
+        subprocess.run(["scancel", refused, stranded])
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (["cluster.partition=nosuch"], "cluster.partition='nosuch': Slurm has no such partition"),
+        (
+            ["cluster.partition=restricted", "+cluster.account=other"],
+            "cluster.account='other': partition 'restricted' allows only the accounts collapse",
+        ),
+        (
+            ["cluster.partition=single", *layout_overrides(nodes=2, procs=2)],
+            "nodes per run: d32-tpp0.5-s0 (2)",
+        ),
+    ],
+    ids=["unknown-partition", "refused-account", "nodes-above-partition-limit"],
+)
+def test_a_request_slurm_would_refuse_stops_before_submission(cluster, tmp_path, settings, named):
+    items = [s for s in settings]
+    done = snakemake(tmp_path, "-n", *overrides(*items), timeout=300)
+    assert done.returncode != 0
+    message = done.stderr + done.stdout
+    assert named in message, message[-3000:]
+    assert not list((tmp_path / ".snakemake").glob("slurm_logs/**/*.log"))  # nothing submitted
+
+
+@pytest.mark.ci
+def test_a_request_slurm_accepts_passes_the_check(cluster, tmp_path):
+    items = ["cluster.partition=single", *layout_overrides(nodes=1, procs=2)]
+    done = snakemake(tmp_path, "-n", *overrides(*items), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

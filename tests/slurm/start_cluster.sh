@@ -20,6 +20,7 @@
 #   SLURM_NODES      compute nodes: 1 is this machine's hostname, N > 1 are HOST-1 .. HOST-N
 #                    on slurmd ports 6818 .. 6818+N-1              (default 2)
 #   SLURM_MAX_NODES  the partition's MaxNodes                      (default: unlimited)
+# Two more partitions: "single" allows one node per job, "restricted" only the account "collapse".
 #
 # The config goes to /etc/slurm/slurm.conf, Slurm's compiled-in default: the Snakemake jobstep
 # plugin drops SLURM_CONF before its srun inside a job, so srun must find the config there.
@@ -202,6 +203,10 @@ Waittime=0
 $GRES_TYPES
 $NODE_LINES
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE MaxNodes=$MAX_NODES State=UP
+# for the tests of requests Slurm leaves pending: one node per job; only the account "collapse"
+# (which, without slurmdbd, no job can have: Slurm does not know the account)
+PartitionName=single Nodes=ALL Default=NO MaxTime=INFINITE MaxNodes=1 State=UP
+PartitionName=restricted Nodes=ALL Default=NO MaxTime=INFINITE AllowAccounts=collapse State=UP
 EOF
 )
 if [[ -e $CONF ]] && ! grep -qxF "$MARKER" "$CONF"; then
