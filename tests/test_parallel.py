@@ -271,3 +271,22 @@ def test_gpu_hours_and_wall_time():
         gpu_hours(1e21, 989e12, 0.0)
     with pytest.raises(ValueError, match="gpus"):
         wall_time_hours(1e21, 0, 989e12, 0.4)
+
+
+def test_cpu_layout_over_nodes_with_tensor_and_pipeline_parallel():
+    # 4 processes on 2 nodes, TP 2: DP 2, each rank 16 / 2 = 8 sequences
+    layout = cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=4, nodes=2, tp=2)
+    assert (layout.tp, layout.pp, layout.dp, layout.nodes, layout.procs_per_node) == (
+        2,
+        1,
+        2,
+        2,
+        2,
+    )
+    assert layout.micro_batch_seqs * layout.grad_accum * layout.dp == 16
+    piped = cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=4, nodes=2, pp=2)
+    assert (piped.tp, piped.pp, piped.dp) == (1, 2, 2)
+    with pytest.raises(LayoutError, match="nodes_per_run=2"):
+        cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=3, nodes=2)
+    with pytest.raises(LayoutError, match="tp x pp = 4"):
+        cpu_layout(small_arch(), N_SMALL, batch_seqs=16, procs=2, tp=2, pp=2)
