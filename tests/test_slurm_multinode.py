@@ -409,7 +409,7 @@ def test_a_node_that_never_starts_its_launcher_fails_the_job_naming_it(cluster, 
     print(f"job {job} failed {failed_after:.0f} s after {HOST}-2 froze; log: {log[-600:]}")
     assert first.returncode != 0
     assert f"{HOST}-2" in log
-    assert failed_after < 120
+    assert failed_after < 300  # 110 s measured, most of it Snakemake noticing the failed job
 
 
 # -------------------------------------------------------------------------------- resharding
