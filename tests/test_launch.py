@@ -87,10 +87,15 @@ def test_multinode_srun_starts_one_torchrun_per_node_with_c10d_rendezvous():
 
 
 def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
-    """Run the per-node script under bash with scontrol and torchrun replaced by stubs."""
+    """Run the per-node script under bash with scontrol and torchrun replaced by stubs: the
+    rendezvous is at the first node's NodeAddr (how Slurm reaches it), on a port of the job."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho gpu017\necho gpu018\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -o ]; then echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.0.17 State=ALLOC"; '
+        "else echo gpu017; echo gpu018; fi\n"
+    )
     (bin_dir / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
@@ -103,7 +108,7 @@ def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
     out = subprocess.run(["bash", "-c", per_node], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split()
-    assert "--rdzv_endpoint=gpu017:22345" in args
+    assert "--rdzv_endpoint=10.1.0.17:22345" in args  # the first node's NodeAddr
     assert "--rdzv_id=12345" in args
     assert args[-4:] == ["-m", "collapse.train", "--spec", SPEC_PATH]
 

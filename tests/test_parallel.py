@@ -181,3 +181,22 @@ def test_plan_time_errors_name_the_size_the_closest_layout_and_the_gpu_cap():
             load_config(["family=celerity", "cluster=slurm_h100", bad])
     with pytest.raises(ConfigError, match="gpus_per_node >= 1"):
         load_config(["family=celerity", "cluster=slurm_h100", "cluster.gpus_per_node=0"])
+
+
+def test_cpu_layout_over_nodes_with_tensor_and_pipeline_parallel():
+    # 4 processes on 2 nodes, TP 2: DP 2, each rank 16 / 2 = 8 sequences
+    layout = cpu_layout(small_arch(), batch_seqs=16, procs=4, nodes=2, tp=2)
+    assert (layout.tp, layout.pp, layout.dp, layout.nodes, layout.procs_per_node) == (
+        2,
+        1,
+        2,
+        2,
+        2,
+    )
+    assert layout.micro_batch_seqs * layout.grad_accum * layout.dp == 16
+    piped = cpu_layout(small_arch(), batch_seqs=16, procs=4, nodes=2, pp=2)
+    assert (piped.tp, piped.pp, piped.dp) == (1, 2, 2)
+    with pytest.raises(LayoutError, match="nodes_per_run=2"):
+        cpu_layout(small_arch(), batch_seqs=16, procs=3, nodes=2)
+    with pytest.raises(LayoutError, match="tp x pp = 4"):
+        cpu_layout(small_arch(), batch_seqs=16, procs=2, tp=2, pp=2)

@@ -54,7 +54,7 @@ def test_gpu_requests_get_devices_and_counts_are_enforced(cluster):
     two = run("srun", "--gpus=2", "printenv", "CUDA_VISIBLE_DEVICES")
     assert two.returncode == 0, two.stderr
     assert len(two.stdout.strip().split(",")) == 2
-    too_many = run("srun", f"--gpus={cluster.gpus + 1}", "true", timeout=30)
+    too_many = run("srun", "--nodes=1", f"--gpus={cluster.gpus + 1}", "true", timeout=30)
     assert too_many.returncode != 0
     assert "Requested node configuration is not available" in too_many.stderr
 

@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster for the tests: start, query, stop.
+"""A real local Slurm cluster for the tests (two compute nodes on this machine): start, query, stop.
 
 ``start_cluster()`` runs start_cluster.sh (which installs Debian's packages when missing) and
 skips the calling test, with the reason, only where that cannot work: not root, or the
@@ -24,13 +24,15 @@ START = SLURM_TEST_DIR / "start_cluster.sh"
 STOP = SLURM_TEST_DIR / "stop_cluster.sh"
 BINARIES = ("slurmctld", "slurmd", "sbatch", "munged")
 FAKE_GPUS = 4
+NODES = 2  # slurmd daemons on this machine, each its own node (start_cluster.sh)
 
 
 @dataclass
 class Cluster:
-    gpus: int
+    gpus: int  # per node
     started_here: bool  # False: it was up before the tests, so they leave it up
     start_s: float  # wall time of start_cluster.sh
+    nodes: int = NODES
 
     def stop(self) -> None:
         """Stop the daemons and remove the config the tests generated: with /etc/slurm/slurm.conf
@@ -47,13 +49,13 @@ def cluster_is_up() -> bool:
     return "is UP" in ping.stdout
 
 
-def start_cluster(gpus: int = FAKE_GPUS) -> Cluster:
+def start_cluster(gpus: int = FAKE_GPUS, nodes: int = NODES) -> Cluster:
     if os.geteuid() != 0:
         pytest.skip("a local Slurm needs root (packages, munged, slurmd); run the tests as root")
     if shutil.which("apt-get") is None and not all(shutil.which(b) for b in BINARIES):
         pytest.skip("Slurm is not installed and there is no apt-get to install Debian's packages")
     was_up = cluster_is_up()
-    env = dict(os.environ, SLURM_FAKE_GPUS=str(gpus))
+    env = dict(os.environ, SLURM_FAKE_GPUS=str(gpus), SLURM_NODES=str(nodes))
     env.pop("SLURM_CONF", None)
     began = time.monotonic()
     started = subprocess.run([str(START)], env=env, capture_output=True, text=True)
@@ -65,7 +67,7 @@ def start_cluster(gpus: int = FAKE_GPUS) -> Cluster:
                 + started.stderr[-500:]
             )
         raise RuntimeError(f"start_cluster.sh failed:\n{started.stderr}")
-    return Cluster(gpus=gpus, started_here=not was_up, start_s=start_s)
+    return Cluster(gpus=gpus, started_here=not was_up, start_s=start_s, nodes=nodes)
 
 
 def squeue_state(job_id: str) -> str:

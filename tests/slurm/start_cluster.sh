@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Start a single-node Slurm cluster (munged, slurmctld, slurmd) by hand, without systemd, so the
-# tests can run the workflow through a real scheduler. Run as root. Idempotent: daemons already
-# running (per pid file) are kept; a changed slurm.conf restarts slurmctld and slurmd.
+# Start a local Slurm cluster (munged, slurmctld, one slurmd per compute node) by hand, without
+# systemd, so the tests can run the workflow through a real scheduler. Run as root. Idempotent:
+# daemons already running (per pid file) are kept; a changed slurm.conf restarts slurmctld and
+# every slurmd.
+#
+# Several compute nodes live on this one machine: each is a slurmd started with `slurmd -N NAME`,
+# with its own NodeName, Port, spool directory, pid file and log (slurm.conf's %n), all at
+# NodeAddr 127.0.0.1. Debian's slurmd is not built with --enable-multiple-slurmd, which is only
+# needed for several slurmd answering on one NodeHostname with the same name; distinct names and
+# ports work without it.
 #
 #   start_cluster.sh            start (installs Debian's packages if they are missing)
 #   start_cluster.sh --fresh    forget earlier jobs first (job ids restart at 1)
@@ -9,7 +16,11 @@
 # Knobs (environment):
 #   SLURM_BASE       state, logs, pid files, fake GPU devices   (default /tmp/collapse-slurm)
 #   SLURM_PARTITION  partition name                             (default debug)
-#   SLURM_FAKE_GPUS  GPUs the node declares, 0 for none         (default 4)
+#   SLURM_FAKE_GPUS  GPUs each node declares, 0 for none         (default 4)
+#   SLURM_NODES      compute nodes: 1 is this machine's hostname, N > 1 are HOST-1 .. HOST-N
+#                    on slurmd ports 6818 .. 6818+N-1              (default 2)
+#   SLURM_MAX_NODES  the partition's MaxNodes                      (default: unlimited)
+# Two more partitions: "single" allows one node per job, "restricted" only the account "collapse".
 #
 # The config goes to /etc/slurm/slurm.conf, Slurm's compiled-in default: the Snakemake jobstep
 # plugin drops SLURM_CONF before its srun inside a job, so srun must find the config there.
@@ -20,6 +31,8 @@ set -euo pipefail
 BASE=${SLURM_BASE:-/tmp/collapse-slurm}
 PARTITION=${SLURM_PARTITION:-debug}
 FAKE_GPUS=${SLURM_FAKE_GPUS:-4}
+NODES=${SLURM_NODES:-2}
+MAX_NODES=${SLURM_MAX_NODES:-UNLIMITED}
 FRESH=0
 [[ "${1:-}" == "--fresh" ]] && FRESH=1
 
@@ -49,6 +62,11 @@ stop_pid() {  # stop_pid PIDFILE COMM: TERM, then KILL after 10 s
     for _ in $(seq 100); do [[ -d /proc/$pid ]] || break; sleep 0.1; done
     [[ -d /proc/$pid ]] && kill -KILL "$pid"
     rm -f "$pidfile"
+}
+any_slurmd_alive() {
+    local pidfile
+    for pidfile in "$RUN"/slurmd*.pid; do alive "$pidfile" slurmd && return 0; done
+    return 1
 }
 retry() {  # retry TRIES CMD...: every 0.1 s until CMD succeeds
     local tries=$1; shift
@@ -91,7 +109,7 @@ fi
 # ---------------------------------------------------------------- config
 mkdir -p "$LOG" "$RUN" /etc/slurm
 if (( FRESH )); then
-    if alive "$RUN/slurmctld.pid" slurmctld || alive "$RUN/slurmd.pid" slurmd; then
+    if alive "$RUN/slurmctld.pid" slurmctld || any_slurmd_alive; then
         log "--fresh ignored: the daemons run (stop_cluster.sh first)"
     else
         rm -rf "$STATE"
@@ -99,7 +117,13 @@ if (( FRESH )); then
 fi
 mkdir -p "$STATE/ctld" "$STATE/d"
 
-NODE=$(hostname -s)
+HOST=$(hostname -s)
+if (( NODES == 1 )); then
+    NODE_NAMES=("$HOST")
+else
+    NODE_NAMES=()
+    for n in $(seq "$NODES"); do NODE_NAMES+=("$HOST-$n"); done
+fi
 # the hardware as slurmd sees it, e.g. "NodeName=vm CPUs=2 Boards=1 SocketsPerBoard=1 ..."
 HARDWARE=$(slurmd -C | head -1)
 field() { sed -n "s/.*\b$1=\([0-9]*\).*/\1/p" <<<"$HARDWARE"; }
@@ -111,20 +135,31 @@ GRES_TYPES=""; NODE_GRES=""
 if (( FAKE_GPUS > 0 )); then
     # slurmd accepts a GPU only with a File= that is a character device; one with /dev/null's
     # numbers is harmless and makes Slurm set CUDA_VISIBLE_DEVICES and enforce counts.
-    mkdir -p "$RUN/fakegpu"
     gres_lines=""
-    for i in $(seq 0 $((FAKE_GPUS - 1))); do
-        device=$RUN/fakegpu/nvidia$i
-        if [[ ! -c $device ]]; then
-            rm -f "$device"
-            mknod -m 666 "$device" c 1 3 \
-                || { log "mknod failed (no CAP_MKNOD?): fake GPUs need character devices"; exit 1; }
-        fi
-        gres_lines+="NodeName=$NODE Name=gpu File=$device"$'\n'
+    for node in "${NODE_NAMES[@]}"; do
+        mkdir -p "$RUN/fakegpu/$node"
+        for i in $(seq 0 $((FAKE_GPUS - 1))); do
+            device=$RUN/fakegpu/$node/nvidia$i
+            if [[ ! -c $device ]]; then
+                rm -f "$device"
+                mknod -m 666 "$device" c 1 3 || {
+                    log "mknod failed (no CAP_MKNOD?): fake GPUs need character devices"; exit 1
+                }
+            fi
+            gres_lines+="NodeName=$node Name=gpu File=$device"$'\n'
+        done
     done
     GRES_TYPES="GresTypes=gpu"
     NODE_GRES="Gres=gpu:$FAKE_GPUS"
 fi
+
+NODE_LINES=""
+for i in "${!NODE_NAMES[@]}"; do
+    [[ -n $NODE_LINES ]] && NODE_LINES+=$'\n'
+    NODE_LINES+="NodeName=${NODE_NAMES[$i]} NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$((6818 + i))"
+    NODE_LINES+=" CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES"
+    NODE_LINES+=" ThreadsPerCore=$THREADS RealMemory=$MEM $NODE_GRES State=UNKNOWN"
+done
 
 NEW_CONF=$(cat <<EOF
 $MARKER
@@ -137,11 +172,11 @@ CredType=cred/munge
 SlurmctldPort=6817
 SlurmdPort=6818
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/d
+SlurmdSpoolDir=$STATE/d-%n
 SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd.pid
+SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd.log
+SlurmdLogFile=$LOG/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -166,8 +201,12 @@ DefMemPerCPU=500
 KillWait=10
 Waittime=0
 $GRES_TYPES
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS Boards=$BOARDS SocketsPerBoard=$SOCKETS CoresPerSocket=$CORES ThreadsPerCore=$THREADS RealMemory=$MEM $NODE_GRES State=UNKNOWN
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+$NODE_LINES
+PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE MaxNodes=$MAX_NODES State=UP
+# for the tests of requests Slurm leaves pending: one node per job; only the account "collapse"
+# (which, without slurmdbd, no job can have: Slurm does not know the account)
+PartitionName=single Nodes=ALL Default=NO MaxTime=INFINITE MaxNodes=1 State=UP
+PartitionName=restricted Nodes=ALL Default=NO MaxTime=INFINITE AllowAccounts=collapse State=UP
 EOF
 )
 if [[ -e $CONF ]] && ! grep -qxF "$MARKER" "$CONF"; then
@@ -191,10 +230,10 @@ fi
 unset SLURM_CONF
 
 # ---------------------------------------------------------------- slurmctld, slurmd
-if (( CHANGED )) && { alive "$RUN/slurmctld.pid" slurmctld || alive "$RUN/slurmd.pid" slurmd; }; then
+if (( CHANGED )) && { alive "$RUN/slurmctld.pid" slurmctld || any_slurmd_alive; }; then
     # node and GRES changes need a restart; "scontrol reconfigure" is not enough
     log "config changed: restarting slurmd and slurmctld"
-    stop_pid "$RUN/slurmd.pid" slurmd
+    for pidfile in "$RUN"/slurmd*.pid; do stop_pid "$pidfile" slurmd; done
     stop_pid "$RUN/slurmctld.pid" slurmctld
 fi
 if alive "$RUN/slurmctld.pid" slurmctld; then
@@ -206,25 +245,32 @@ fi
 ctld_up() { scontrol ping | grep -q 'is UP'; }
 retry 100 ctld_up || { log "slurmctld does not answer: see $LOG/slurmctld.log"; exit 1; }
 
-if alive "$RUN/slurmd.pid" slurmd; then
-    log "slurmd already runs (pid $(cat "$RUN/slurmd.pid"))"
-else
-    log "starting slurmd"
-    /usr/sbin/slurmd
-fi
-
-node_state=""
-for _ in $(seq 150); do
-    node_state=$(sinfo -h -N -n "$NODE" -o '%t' 2>/dev/null | head -1)
-    case $node_state in
-        idle|mix|alloc|comp) break ;;
-        drain*|drng|down*|fail*) scontrol update nodename="$NODE" state=resume 2>/dev/null || true ;;
-    esac
-    sleep 0.2
+for node in "${NODE_NAMES[@]}"; do
+    if alive "$RUN/slurmd-$node.pid" slurmd; then
+        log "slurmd of $node already runs (pid $(cat "$RUN/slurmd-$node.pid"))"
+    else
+        log "starting slurmd of $node"
+        /usr/sbin/slurmd -N "$node"
+    fi
 done
-case $node_state in
-    idle|mix|alloc|comp) ;;
-    *) log "node $NODE is '$node_state': see $LOG/slurmd.log and 'scontrol show node $NODE'"
-       exit 1 ;;
-esac
-log "cluster up: node=$NODE partition=$PARTITION cpus=$CPUS mem=${MEM}M gpus=$FAKE_GPUS"
+
+for node in "${NODE_NAMES[@]}"; do
+    node_state=""
+    for _ in $(seq 150); do
+        node_state=$(sinfo -h -N -n "$node" -o '%t' 2>/dev/null | head -1)
+        case $node_state in
+            idle|mix|alloc|comp) break ;;
+            drain*|drng|down*|fail*)
+                scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
+        esac
+        sleep 0.2
+    done
+    case $node_state in
+        idle|mix|alloc|comp) ;;
+        *) log "node $node is '$node_state': see $LOG/slurmd-$node.log and" \
+               "'scontrol show node $node'"
+           exit 1 ;;
+    esac
+done
+log "cluster up: nodes=${NODE_NAMES[*]} partition=$PARTITION cpus=$CPUS mem=${MEM}M" \
+    "gpus=$FAKE_GPUS per node"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop the single-node cluster of start_cluster.sh: cancel every job, then stop slurmd, slurmctld
+# Stop the cluster of start_cluster.sh: cancel every job, then stop each node's slurmd, slurmctld
 # and (only if start_cluster.sh started it) munged, each by the pid in its pid file. Safe to run
 # twice.
 #   stop_cluster.sh           stop the daemons, keep state and logs
@@ -38,7 +38,9 @@ if [[ -s $RUN/slurmctld.pid ]] && scontrol ping 2>/dev/null | grep -q 'is UP'; t
     fi
 fi
 
-stop_pid "$RUN/slurmd.pid" slurmd
+for pidfile in "$RUN"/slurmd*.pid; do
+    [[ -e $pidfile ]] && stop_pid "$pidfile" slurmd
+done
 stop_pid "$RUN/slurmctld.pid" slurmctld
 stop_pid "$RUN/munge/munged.pid" munged  # the pid file exists only if start_cluster.sh started it
 

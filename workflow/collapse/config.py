@@ -506,6 +506,12 @@ class ClusterSpec(_Spec):
     mfu: Annotated[float, Field(gt=0, le=1)] = 0.3
     # CPU (local) runs
     procs_per_run: PositiveInt = 1
+    # CPU runs over several nodes (Slurm): procs_per_run gloo processes split evenly over
+    # nodes_per_run nodes, and tensor/pipeline-parallel degrees of a run (data parallel takes
+    # the rest). On CPUs TP and PP bring no speed; they exercise the layouts a GPU cluster uses.
+    nodes_per_run: PositiveInt = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
     threads_per_proc: PositiveInt = 2
     mem_gb: PositiveFloat = 16
     # scheduler

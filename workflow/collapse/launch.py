@@ -106,7 +106,14 @@ def multinode_command(
     Must run inside the allocation (the batch step, as the jobstep plugin's ``mpi`` mode
     does); ``$SLURM_JOB_NODELIST`` and ``$SLURM_JOB_ID`` are read in each srun task.
     """
-    first_node = 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+    # the rendezvous host is the first node's NodeAddr, the address Slurm itself reaches it at
+    # (a NodeName need not resolve, e.g. several slurmd on one host); its name where unset
+    first_node = (
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1); '
+        'addr=$(scontrol -o show node "$head" 2>/dev/null | grep -o "NodeAddr=[^ ]*" '
+        "| cut -d= -f2); "
+        "head=${addr:-$head}"
+    )
     port = f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))"
     torchrun = (
         f"torchrun --nnodes={nodes} --nproc_per_node={procs_per_node} "

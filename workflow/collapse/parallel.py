@@ -358,30 +358,48 @@ def cpu_layout(
     batch_seqs: int,
     procs: int = 1,
     max_micro_batch: int = 8,
+    nodes: int = 1,
+    tp: int = 1,
+    pp: int = 1,
 ) -> Layout:
-    """Layout on the CPU cluster: one gloo process per data-parallel rank, no TP or PP.
+    """Layout on the CPU cluster: one gloo process per rank, data parallel unless ``tp``/``pp``.
 
     Source: FINDINGS.md (TP/PP bring no speed on 2 cores). fp32 weights and activations, SDPA
     attention (its fused CPU kernel, or the math path that stores scores with ALiBi's float
-    bias), no distributed optimizer; micro-batch is the largest divisor of the
-    per-process batch up to ``max_micro_batch``.
+    bias), no distributed optimizer; micro-batch is the largest divisor of the per-rank batch
+    up to ``max_micro_batch``. ``procs`` processes split evenly over ``nodes``; TP and PP (a
+    fixed choice of the cluster config, to exercise those layouts on CPUs) take ``tp x pp`` of
+    them per data-parallel rank.
     """
-    if procs < 1:
-        raise ValueError(f"procs must be a positive integer, got {procs}")
+    for name, value in (("procs", procs), ("nodes", nodes), ("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
     if max_micro_batch < 1:
         raise ValueError(f"max_micro_batch must be a positive integer, got {max_micro_batch}")
-    if batch_seqs < 1 or batch_seqs % procs:
+    if procs % nodes:
         raise LayoutError(
-            f"batch_seqs={batch_seqs} does not split over procs={procs}: use a batch that is a "
-            "multiple of the process count, or fewer processes"
+            f"procs_per_run={procs} does not split over nodes_per_run={nodes}: use a multiple"
         )
-    per_proc = batch_seqs // procs
+    if procs % (tp * pp):
+        raise LayoutError(f"procs_per_run={procs} is not a multiple of tp x pp = {tp * pp}")
+    if arch.n_heads % tp or arch.vocab_size % tp:
+        raise LayoutError(f"tp={tp} must divide n_heads={arch.n_heads} and vocab_size")
+    if arch.n_layers % pp:
+        raise LayoutError(f"pp={pp} must divide n_layers={arch.n_layers}")
+    dp = procs // (tp * pp)
+    if batch_seqs < 1 or batch_seqs % dp:
+        raise LayoutError(
+            f"batch_seqs={batch_seqs} does not split over dp={dp} (procs={procs}, tp={tp}, "
+            f"pp={pp}): use a batch that is a "
+            "multiple of the data-parallel degree, or fewer processes"
+        )
+    per_proc = batch_seqs // dp
     micro = max(m for m in _divisors(per_proc) if m <= max_micro_batch)
     mem = memory.estimate(
         arch,
-        tp=1,
-        pp=1,
-        dp=procs,
+        tp=tp,
+        pp=pp,
+        dp=dp,
         micro_batch_seqs=micro,
         grad_accum=per_proc // micro,
         precision=memory.CPU_FP32,
@@ -389,14 +407,14 @@ def cpu_layout(
         attention=memory.cpu_attention(arch),
     )
     return Layout(
-        tp=1,
-        pp=1,
-        dp=procs,
+        tp=tp,
+        pp=pp,
+        dp=dp,
         micro_batch_seqs=micro,
         grad_accum=per_proc // micro,
         gpus=0,
-        nodes=1,
-        procs_per_node=procs,
+        nodes=nodes,
+        procs_per_node=procs // nodes,
         memory=mem,
     )
 

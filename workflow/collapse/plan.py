@@ -143,7 +143,7 @@ def resource_warnings(table: pd.DataFrame, cluster: ClusterSpec) -> list[str]:
     by_size = table.groupby("size", sort=False).agg(
         memory_gb=("memory_gb_per_gpu", "max"), wall_hours=("wall_hours", "max")
     )
-    need = by_size.memory_gb * cluster.procs_per_run
+    need = by_size.memory_gb * (cluster.procs_per_run // cluster.nodes_per_run)  # per node
     out = []
     over = need[need > cluster.mem_gb]
     if not over.empty:
@@ -544,6 +544,9 @@ class CpuResources(ResourcePlan):
             batch_seqs=batch_seqs,
             procs=self.cluster.procs_per_run,
             max_micro_batch=self.training.max_micro_batch_seqs,
+            nodes=self.cluster.nodes_per_run,
+            tp=self.cluster.tp,
+            pp=self.cluster.pp,
         )
 
     def wall_hours(self, flops: float, lay: parallel.Layout) -> float:
@@ -552,8 +555,8 @@ class CpuResources(ResourcePlan):
     def gpu_hours(self, flops: float) -> float:
         return 0.0
 
-    def threads(self, lay: parallel.Layout) -> int:
-        return self.cluster.threads_per_proc * self.cluster.procs_per_run
+    def threads(self, lay: parallel.Layout) -> int:  # per node
+        return self.cluster.threads_per_proc * lay.procs_per_node
 
     def mem_mb(self, lay: parallel.Layout) -> int:
         return int(self.cluster.mem_gb * 1024)

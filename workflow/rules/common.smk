@@ -52,6 +52,21 @@ if workflow.is_main_process:
         print(f"warning: {warning}", file=sys.stderr)
 
 CFG = PLAN.config
+
+# A partition, account or node count the Slurm cluster would refuse, or leave pending for ever,
+# stops the workflow here, before any submission (collapse.slurm_check).
+if CFG.cluster.executor == "slurm" and workflow.is_main_process:
+    from collapse.slurm_check import check_requests
+
+    SLURM_PROBLEMS = check_requests(
+        CFG.cluster.partition,
+        CFG.cluster.account,
+        [(r.run, r.parallel.nodes) for r in PLAN.runs],
+    )
+    if SLURM_PROBLEMS:
+        raise WorkflowError(
+            "Slurm would not run this plan's jobs:\n  " + "\n  ".join(SLURM_PROBLEMS)
+        )
 FAMILY = CFG.family
 LAYOUT = PLAN.layout
 ROOT = str(LAYOUT.root)
