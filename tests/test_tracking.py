@@ -212,3 +212,29 @@ def test_a_run_finds_its_family_folder_from_its_run_dir():
     for run in ("d96_tpp10_s0", "sweep/tau0.1"):
         assert FamilyLayout.of_run(layout.run_dir(run), run) == layout
         assert layout.tensorboard(run) == Path("/results/fam/tensorboard") / run
+
+
+def test_a_killed_and_resumed_run_is_one_wandb_run_read_back_as_its_curve(
+    tmp_path: Path, monkeypatch
+):
+    """W&B on, killed (SIGKILL) after step 6 and resumed from step 4: the rerun continues the
+    same W&B run id (a second offline folder), and reading the W&B folder back gives the run's
+    curve, each step once, equal to curve.parquet."""
+    import warnings
+
+    from collapse.logreaders import LogStitchWarning, read_logs
+    from collapse.tracking import wandb_dir, wandb_id
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = tiny_spec(tmp_path, run="resumed", steps=12, d_model=64, checkpoint_every=4)
+    spec = spec.model_copy(update={"logging": spec.logging.model_copy(update={"wandb": True})})
+    _start_and_interrupt(spec, tmp_path, at_step=6, how=signal.SIGKILL)
+    _ok(run_training(spec, tmp_path))
+    folders = sorted(wandb_dir(spec).glob(f"wandb/offline-run-*-{wandb_id(spec)}"))
+    assert len(folders) == 2  # one per job, one run id
+    with warnings.catch_warnings():  # steps the killed job logged past 4, if it flushed them
+        warnings.simplefilter("ignore", LogStitchWarning)
+        [frame], _ = read_logs([wandb_dir(spec) / "wandb"], loss_tag="train/loss")
+    curve = _curve(spec)
+    assert frame["step"].tolist() == list(range(1, 13)) == curve["step"].tolist()
+    np.testing.assert_array_equal(frame["loss"].to_numpy(), curve["loss"].to_numpy())

@@ -535,10 +535,29 @@ def merge_resumed(runs: Sequence[RunLog]) -> list[RunLog]:
             if run.kind == "wandb" and run.run_id:
                 by_id[run.run_id] = run
             continue
-        for tag, points in run.scalars.items():
-            first.scalars.setdefault(tag, []).extend(points)
-        first.meta = {**first.meta, **run.meta}
+        _append_resumed(first, run)
     return out
+
+
+def _append_resumed(first: RunLog, later: RunLog) -> None:
+    """A later job's folder continues ``first``: from its first step on, its values replace what
+    the earlier jobs logged (a resumed job retrains from its checkpoint, and may log again the
+    steps before it, which a job killed without warning may not have written)."""
+    starts = [min(p[0] for p in points) for points in later.scalars.values() if points]
+    start = min(starts) if starts else None
+    logged = [p[0] for points in first.scalars.values() for p in points]
+    if start is not None and logged and start <= max(logged):
+        warnings.warn(
+            f"run {first.name}: the step counter goes back (resumed from a checkpoint, first "
+            f"at step {start}, in {later.source}): stitched, the later job's values replace "
+            "what the earlier one logged from there on",
+            LogStitchWarning,
+            stacklevel=3,
+        )
+    for tag, points in later.scalars.items():
+        kept = [p for p in first.scalars.get(tag, []) if start is None or p[0] < start]
+        first.scalars[tag] = kept + list(points)
+    first.meta = {**first.meta, **later.meta}
 
 
 def check_unique(runs: Sequence[RunLog]) -> None:

@@ -237,6 +237,23 @@ class WandB(Tracker):
             config=spec.model_dump(mode="json"),
             settings=wandb.Settings(console="off", save_code=False, disable_git=True),
         )
+        self.replay(loop)
+
+    def replay(self, loop: Loop) -> None:
+        """A resumed job logs again the steps its checkpoint holds. W&B writes from another
+        process, so a job killed without warning may leave none of its records on disk; the
+        values are the same numbers (training resumes bit for bit), and a reader of the run's
+        folders takes the later job's from its first step on."""
+        valid = {v["step"]: v["valid_loss"] for v in loop.state.valid}
+        for row in loop.state.curve:
+            if row["step"] >= loop.first_step:
+                break
+            values = {
+                f"train/{k}": row[k] for k in ("loss", "lr", "grad_norm", "tokens_per_s", "t_hat")
+            }
+            if row["step"] in valid:
+                values["valid/loss"] = valid[row["step"]]
+            self.run.log(values, step=row["step"])
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
