@@ -50,9 +50,13 @@ def write_wandb_runs(directory: Path, runs: dict[str, dict]) -> None:
     payload.write_text(json.dumps(runs))
     script = textwrap.dedent(
         """
-        import json, sys, wandb
+        import json, sys, time, wandb
         runs = json.load(open(sys.argv[1]))
+        seen = set()
         for name, run in runs.items():
+            if run.get("id") in seen:  # a resumed job starts later: its folder, named by the
+                time.sleep(1.1)        # second it starts, is then its own, as in real use
+            seen.add(run.get("id"))
             r = wandb.init(project="family", name=run.get("name", name), group="fam",
                            dir=sys.argv[2], config=run["config"], id=run.get("id"),
                            resume="allow" if run.get("id") else None,

@@ -61,7 +61,11 @@ TOKENS_PER_SHOT = 128  # stated upper estimate of one example's tokens (question
 # Host memory of an evaluation process: the imports (torch, Megatron, lm-eval, the task data)
 # and the model built on the CPU before it moves to the GPU: an fp32 copy, twice for the
 # checkpoint's tensors as they load.
+# On the CPU: 650 MB peak RSS measured for tiny's d160 (0.78M parameters, `/usr/bin/time -v
+# python -m collapse.evaluate --spec ... --limit 4`, 2026-12-07), rounded up to 1 GiB. On a GPU
+# node the CUDA context adds host memory: 4 GiB there (not measured: no GPU).
 EVAL_HOST_BASE_MB = 4096
+EVAL_HOST_BASE_MB_CPU = 1024
 EVAL_HOST_BYTES_PER_PARAM = 8
 EVAL_STARTUP_MIN = 5  # imports, task files, checkpoint read
 
@@ -193,7 +197,8 @@ def eval_request(cluster, arch: ModelArch, params: int, *, tasks, limit, size: s
     """
     on_gpu = cluster.accelerator == "gpu"
     param_bytes = 2 if on_gpu else 4
-    host_mb = EVAL_HOST_BASE_MB + math.ceil(EVAL_HOST_BYTES_PER_PARAM * params / MIB)
+    base_mb = EVAL_HOST_BASE_MB if on_gpu else EVAL_HOST_BASE_MB_CPU
+    host_mb = base_mb + math.ceil(EVAL_HOST_BYTES_PER_PARAM * params / MIB)
     if on_gpu:
         usable = int(0.85 * cluster.gpu_mem_gb * GIB)
     else:

@@ -120,7 +120,10 @@ def _evaluate(args: argparse.Namespace) -> int:
         print("(allow it with family.gates.allow_fail=[<run>] to evaluate anyway)", file=sys.stderr)
         return 3
     tasks = [t for t in args.tasks.split(",") if t]
-    evaluate_run(args.spec, args.out, limit=args.limit, **({"tasks": tasks} if tasks else {}))
+    chosen = {"tasks": tasks} if tasks else {}
+    if args.batch_size is not None:
+        chosen["batch_size"] = args.batch_size
+    evaluate_run(args.spec, args.out, limit=args.limit, **chosen)
     return 0
 
 
@@ -201,6 +204,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gate", type=Path, required=True, help="the run's gate verdict")
     p.add_argument("--limit", type=int, default=None, help="examples per task (CPU)")
     p.add_argument("--tasks", default="", help="comma-separated task names (default: all seven)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="scoring windows per forward pass (default: the evaluator's; the plan sizes it to "
+        "the GPU)",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=_evaluate)
 
