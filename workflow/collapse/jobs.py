@@ -128,7 +128,7 @@ def partition_limits(cluster) -> Limits:
         mem_mb = int(cluster.gpus_per_node * cluster.mem_per_gpu_gb * 1024)
     else:  # a CPU cluster states its memory, not its cores
         cpus, mem_mb = None, int(cluster.mem_gb * 1024)
-    limit = getattr(cluster, "time_limit_min", None)
+    limit = cluster.time_limit_min
     return Limits(cpus=cpus, mem_mb=mem_mb, runtime_min=None if limit is None else int(limit))
 
 
@@ -263,7 +263,7 @@ def largest_index_bytes(data) -> int:
 def data_requests(cluster, data) -> dict[str, JobRequest]:
     """Requests of the data rules by rule name, for the family's kind of data source."""
     limits = partition_limits(cluster)
-    kind = getattr(data, "kind", "corpus")
+    kind = data.kind
     margin = cluster.runtime_margin
     requests: dict[str, JobRequest] = {}
     if kind == "corpus":

@@ -121,7 +121,7 @@ class Plan:
 def evaluation_warnings(family) -> list[str]:
     """A blend of the user's datasets without its tokenizer: evaluation cannot score tasks."""
     data = family.data
-    if getattr(data, "kind", "") != "megatron" or data.tokenizer or not family.evaluation.tasks:
+    if data.kind != "megatron" or data.tokenizer or not family.evaluation.tasks:
         return []
     return [
         "data.tokenizer is not set, so evaluation scores the held-out loss only (the downstream "
