@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from collapse.memory import attention_bias_bytes
 from collapse.runspec import ModelArch
 from collapse.tasks import PAPER_TASK_SHOTS
 
@@ -166,7 +167,7 @@ def eval_memory_bytes(arch: ModelArch, params: int, batch: int, *, param_bytes: 
     the model's [batch, seq, vocab] output (``param_bytes``), its fp32 copy and the fp32
     log-softmax of ``collapse.evaluate`` (4 + 4 bytes). One layer's activations at a time (no
     backward): the layer input, QKV and attention output, and the FFN hidden values. ALiBi's
-    one shared bias (``megatron_patches.attention.alibi_bias_bytes``) on the SDPA path.
+    one shared bias (``collapse.memory.attention_bias_bytes``) on the SDPA path.
     """
     s, v, d = arch.seq_len, arch.vocab_size, arch.d_model
     d_attn = arch.n_heads * arch.head_dim
@@ -174,7 +175,7 @@ def eval_memory_bytes(arch: ModelArch, params: int, batch: int, *, param_bytes: 
     weights = param_bytes * params
     logits = (param_bytes + 8) * batch * s * v
     layer = param_bytes * batch * s * (2 * d + 4 * d_attn + 2 * ffn)
-    alibi = arch.n_heads * s * s * param_bytes if arch.positions == "alibi" else 0
+    alibi = attention_bias_bytes(arch, tp=1, act_bytes=param_bytes)
     return weights + logits + layer + alibi
 
 

@@ -32,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from collapse.launch import signal_lead_s
+from collapse.memory import CPU_FP32, GPU_BF16
 
 GB = 1e9
 # What a checkpoint holds per parameter (collapse.train.sharded_state): the model's weights in
-# the training dtype plus the optimizer's fp32 state. GPU: bf16 weights (2) + fp32 main copy (4)
-# + Adam m and v (8); CPU: fp32 weights (4) + Adam m and v (8).
-CHECKPOINT_BYTES_PER_PARAM = {"gpu": 14, "cpu": 12}
+# the training dtype plus the optimizer's state, as the memory model counts them. GPU: bf16
+# weights (2) + fp32 main copy (4) + Adam m and v (8); CPU: fp32 weights (4) + Adam m and v (8).
+CHECKPOINT_BYTES_PER_PARAM = {
+    accelerator: precision.param_bytes + precision.optimizer_bytes
+    for accelerator, precision in (("gpu", GPU_BF16), ("cpu", CPU_FP32))
+}
 SEGMENTS_DIR = "segments"
 
 
