@@ -20,6 +20,7 @@ from slurm.cluster import (
     snakemake_slurm_args,
     squeue_state,
     start_cluster,
+    start_in_background,
     wait_until,
 )
 from slurm.runspecs import make_spec
@@ -161,13 +162,8 @@ def test_scancel_of_a_running_job_then_rerun_resumes_from_its_checkpoint(cluster
         """,
     )
     env = snakemake_env()
-    first = subprocess.Popen(
-        snakemake_slurm_args(tmp_path, "--retries", "0"),
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    first = start_in_background(
+        snakemake_slurm_args(tmp_path, "--retries", "0"), cwd=tmp_path, env=env
     )
     try:
         wait_until(

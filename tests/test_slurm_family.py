@@ -20,6 +20,7 @@ from slurm.cluster import (
     snakemake_slurm_args,
     squeue_state,
     start_cluster,
+    start_in_background,
     wait_until,
 )
 
@@ -108,14 +109,7 @@ def test_family_through_slurm_resumes_a_cancelled_training_job(cluster, tmp_path
     checkpoints = results / "checkpoints" / CANCELLED_RUN
     env = snakemake_env()
     began = time.monotonic()
-    first = subprocess.Popen(
-        family_args(tmp_path, "--retries", "0"),
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    first = start_in_background(family_args(tmp_path, "--retries", "0"), cwd=tmp_path, env=env)
     try:
         wait_until(
             lambda: checkpoints.is_dir() and latest_complete(checkpoints, log=lambda m: None),

@@ -29,6 +29,7 @@ from slurm.cluster import (
     snakemake_slurm_args,
     squeue_state,
     start_cluster,
+    start_in_background,
     wait_until,
 )
 
@@ -271,13 +272,10 @@ def test_requeue_at_a_random_step_resumes_and_ends_on_the_same_curve(
     log = tmp_path / f"results/{FAMILY}/logs/train/{RUN}.log"
     args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "0", snakefile=REPO / "Snakefile")
     began = time.monotonic()
-    first = subprocess.Popen(
+    first = start_in_background(
         [*args, *overrides(*layout_overrides(**TP2_DP2))],
         cwd=tmp_path,
         env=snakemake_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         wait_until(lambda: steps_logged(log) >= at_step, 900, f"step {at_step}", every_s=0.2)
@@ -335,13 +333,10 @@ def test_a_rank_killed_on_one_node_fails_the_job_and_the_retry_resumes(cluster, 
     checkpoints = tmp_path / f"results/{FAMILY}/checkpoints/{RUN}"
     args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "1", snakefile=REPO / "Snakefile")
     began = time.monotonic()
-    first = subprocess.Popen(
+    first = start_in_background(
         [*args, *overrides(*layout_overrides(**DP2_ACROSS))],
         cwd=tmp_path,
         env=snakemake_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         wait_until(
@@ -385,13 +380,10 @@ def test_a_node_that_never_starts_its_launcher_fails_the_job_naming_it(cluster, 
     base = Path("/tmp/collapse-slurm/run")
     slurmd_pid = int((base / f"slurmd-{HOST}-2.pid").read_text())
     args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "0", snakefile=REPO / "Snakefile")
-    first = subprocess.Popen(
+    first = start_in_background(
         [*args, *overrides(*layout_overrides(**DP2_ACROSS))],
         cwd=tmp_path,
         env=snakemake_env(OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
     stopped = None
     try:
@@ -428,13 +420,8 @@ def test_a_run_checkpointed_at_one_layout_resumes_at_another(cluster, tmp_path, 
     checkpoints = tmp_path / f"results/{FAMILY}/checkpoints/{RUN}"
     args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "0", snakefile=REPO / "Snakefile")
     env = snakemake_env(OMP_NUM_THREADS="1")
-    first = subprocess.Popen(
-        [*args, *overrides(*layout_overrides(**before))],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    first = start_in_background(
+        [*args, *overrides(*layout_overrides(**before))], cwd=tmp_path, env=env
     )
     try:
         wait_until(

@@ -103,6 +103,14 @@ def jobs_of_rule(rule: str, states: str = "all") -> list[str]:
     return sorted(ids, key=int)
 
 
+def start_in_background(args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A Snakemake call left running while the test acts on its jobs (cancel, requeue, kill);
+    its output, stderr included, is read with ``communicate``."""
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def snakemake_env(**extra: str) -> dict[str, str]:
     """The environment for a snakemake run: this venv first on PATH (python, torchrun)."""
     env = dict(os.environ, **extra)
