@@ -776,7 +776,8 @@ def callbacks_for(spec: RunSpec, preemption: Preemption) -> list[Callback]:
     if monitor is not None:
         callbacks.append(ControlsAudit(monitor))
     callbacks.append(NonFiniteOutcome() if nonfinite_is_outcome(spec) else NonFiniteLoss())
-    callbacks += [Progress(), Evaluation(), *tracking_for(spec, monitor)]
+    # trackers before the log line: once the log shows step N, the dashboards hold it too
+    callbacks += [Evaluation(), *tracking_for(spec, monitor), Progress()]
     if spec.monitor.enabled:
         callbacks.append(CollapseMonitor(monitor))
     return [*callbacks, *time_budget(spec), preemption, Checkpointing()]
