@@ -148,6 +148,7 @@ out.write_text(json.dumps(state))
 '''
 
 
+@pytest.mark.slow  # 77 s; CI's family test cancels and resumes real training instead
 def test_scancel_of_a_running_job_then_rerun_resumes_from_its_checkpoint(cluster, tmp_path):
     (tmp_path / "counter.py").write_text(COUNTER)
     checkpoint = tmp_path / "checkpoints" / "count.json"
