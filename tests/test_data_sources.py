@@ -83,7 +83,7 @@ def _write_inputs(root: Path, seed: int = 0) -> list[str]:
     (root / "c.jsonl.zst").write_bytes(
         zstandard.ZstdCompressor().compress(lines(docs["c"]).encode())
     )
-    pq.write_table(pa.table({"text": docs["d"]}), root / "d.parquet")
+    pq.write_table(pa.table({"text": docs["d"]}), root / "d.parquet", row_group_size=10)
     (root / "e.txt").write_text(docs["e"][0])
     return [t for name in "abcde" for t in docs[name]]
 
@@ -162,6 +162,52 @@ def test_a_large_jsonl_is_cut_at_line_boundaries(built):
     texts = [t for p in pieces for t, _ in shards.read_documents([p], cfg)]
     whole = [t for t, _ in shards.read_documents([shards.Piece(pieces[0].path)], cfg)]
     assert texts == whole
+
+
+def test_compressed_jsonl_and_parquet_are_cut_and_change_no_token(built, tmp_path):
+    """Small shards cut .jsonl.gz and .jsonl.zst by estimated text bytes (each piece reads the
+    stream up to its end) and Parquet by row groups (d.parquet: 6 groups of 10 rows); every
+    document is read once, named by its real line or row, and the dataset's bytes are those
+    of the coarser build."""
+    cfg, out, *_ = built
+    small = cfg.model_copy(update={"shard_bytes": 4_000})
+    pieces = [p for shard in shards.plan_shards(small) for p in shard]
+    for name, unit in (
+        ("b.jsonl.gz", "text"),
+        ("c.jsonl.zst", "text"),
+        ("d.parquet", "row_groups"),
+    ):
+        cut = [p for p in pieces if p.path.endswith(name)]
+        assert len(cut) > 2 and {p.unit for p in cut} == {unit}, cut
+        assert [p.start for p in cut[1:]] == [p.end for p in cut[:-1]]
+        assert cut[-1].end == (-1 if unit == "text" else 6)  # a text size is estimated
+        read = [d for p in cut for d in shards.read_documents([p], small)]
+        whole = list(shards.read_documents([shards.Piece(cut[0].path)], small))
+        assert read == whole  # the same texts and the same line/row names, once each
+    parquet = [p for p in pieces if p.path.endswith("d.parquet")]
+    assert [(p.start, p.end) for p in parquet][:2] == [(0, 1), (1, 2)]  # a group is > 4,000 B
+    assert read[-1][1].endswith("(row 60)") and whole[0][1].endswith("(row 1)")
+    gz_lines = [w for p in pieces if p.path.endswith("b.jsonl.gz")
+                for _, w in shards.read_documents([p], small)]  # fmt: skip
+    assert gz_lines == [f"{cfg.files[0][:-1]}b.jsonl.gz:{i}" for i in range(1, 61)]
+    meta = shards.run_step(small, tmp_path / "small", "all")
+    assert meta.shards > len(shards.plan_shards(cfg))
+    for name in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME):
+        for ext in (".bin", ".idx"):
+            assert _sha(tmp_path / "small" / f"{name}{ext}") == _sha(out / f"{name}{ext}")
+
+
+def test_a_compressed_piece_past_the_end_of_its_stream_is_empty(built):
+    """The text size of a compressed file is estimated (3x for gzip): a piece that starts past
+    the real end reads nothing, and the open last piece reads whatever lies beyond."""
+    cfg, *_ = built
+    path = next(p for p in shards.input_files(cfg) if p.name == "b.jsonl.gz")
+    text = gzip.decompress(path.read_bytes())
+    past = shards.Piece(str(path), len(text) + 10, -1, "text")
+    assert list(shards.read_documents([past], cfg)) == []
+    middle = text.index(b"\n", len(text) // 2) + 1  # a line starts here
+    tail = list(shards.read_documents([shards.Piece(str(path), middle, -1, "text")], cfg))
+    assert [t for t, _ in tail] == [json.loads(x)["text"] for x in text[middle:].splitlines()]
 
 
 def test_a_rerun_redoes_only_missing_shards(built, tmp_path):

@@ -10,8 +10,10 @@ Snakemake job (``workflow/rules/data.smk``) or, for a quick local build, one cal
    train or valid split by a keyed hash of its bytes (``is_valid_document``), encode them in
    batches and write ``shards/NNNNN.{train,valid}.{bin,idx}`` with Megatron-Core's
    ``IndexedDatasetBuilder``, then ``NNNNN.json`` (its counts) last. Memory is bounded by a
-   shard's size, never the corpus's: an uncompressed JSON-lines file larger than
-   ``shard_bytes`` is cut into byte ranges at line boundaries; small files are grouped.
+   shard's size, never the corpus's. A file larger than ``shard_bytes`` is cut into pieces:
+   JSON lines at line boundaries (a compressed one by its estimated text size, each piece
+   decompressing the stream up to its own end), Parquet at row-group boundaries; small files
+   are grouped.
 3. ``merge``: concatenate the shards with ``IndexedDatasetBuilder.add_index`` into
    ``train_text_document`` / ``valid_text_document``, check them, write meta.json last.
 
@@ -109,33 +111,78 @@ def file_format(path: Path, declared: str = "auto") -> str:
 
 @dataclass(frozen=True)
 class Piece:
+    """A part of one input file: ``[start, end)`` in the file's bytes (``unit`` "bytes"), in its
+    decompressed text ("text") or in its Parquet row groups ("row_groups"); end -1: to the end.
+    A line or row belongs to the piece its first byte (or row group) lies in."""
+
     path: str
     start: int = 0
-    end: int = -1  # -1: to the end of the file
+    end: int = -1
+    unit: str = "bytes"
+
+
+def _ranges(total: int, step: int, open_end: bool) -> list[tuple[int, int]]:
+    """[start, end) ranges of ``step`` covering ``total``; the last one open (-1) if asked."""
+    ranges = [(start, min(start + step, total)) for start in range(0, total, step)]
+    if open_end:
+        ranges[-1] = (ranges[-1][0], -1)
+    return ranges
+
+
+def _pieces(path: Path, cfg: ShardsDataConfig) -> list[Piece]:
+    """The file whole, or cut into pieces of about ``shard_bytes`` of text where it can be."""
+    size = path.stat().st_size
+    fmt = file_format(path, cfg.format)
+    kind = compression(path)
+    if fmt == "jsonl" and kind is None and size > cfg.shard_bytes:
+        return [Piece(str(path), a, b) for a, b in _ranges(size, cfg.shard_bytes, False)]
+    if fmt == "jsonl" and size * _EXPANSION[kind] > cfg.shard_bytes:
+        # the text size is an estimate: the last piece takes whatever the stream holds beyond
+        text = int(size * _EXPANSION[kind])
+        return [Piece(str(path), a, b, "text") for a, b in _ranges(text, cfg.shard_bytes, True)]
+    if fmt == "parquet" and size > cfg.shard_bytes:
+        return [Piece(str(path), a, b, "row_groups") for a, b in _row_group_ranges(path, cfg)]
+    return [Piece(str(path))]
+
+
+def _row_group_ranges(path: Path, cfg: ShardsDataConfig) -> list[tuple[int, int]]:
+    """Consecutive row groups of a Parquet file, about ``shard_bytes`` of data each (footer)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except Exception as err:  # pyarrow raises ArrowInvalid and OSError subclasses
+        raise ShardError(f"{path}: not a readable Parquet file ({err})") from None
+    ranges, start, size = [], 0, 0
+    for group in range(metadata.num_row_groups):
+        size += metadata.row_group(group).total_byte_size
+        if size >= cfg.shard_bytes:
+            ranges.append((start, group + 1))
+            start, size = group + 1, 0
+    if start < metadata.num_row_groups or not ranges:
+        ranges.append((start, metadata.num_row_groups))
+    return ranges
 
 
 def plan_shards(cfg: ShardsDataConfig) -> list[list[Piece]]:
-    """The shards, each a list of pieces of files, from file names and sizes only.
+    """The shards, each a list of pieces of files, from file names, sizes and Parquet footers.
 
-    An uncompressed JSON-lines file larger than ``shard_bytes`` is cut into ranges of about
-    that size (a line belongs to the range its first byte lies in); other files stay whole and
-    are grouped, in order, until a shard holds ``shard_bytes``.
+    A file that ``_pieces`` cuts gives one shard per piece; other files stay whole and are
+    grouped, in order, until a shard holds ``shard_bytes``.
     """
     shards: list[list[Piece]] = []
     group: list[Piece] = []
     group_bytes = 0
     for path in input_files(cfg):
-        size = path.stat().st_size
-        splittable = compression(path) is None and file_format(path, cfg.format) == "jsonl"
-        if splittable and size > cfg.shard_bytes:
+        pieces = _pieces(path, cfg)
+        if len(pieces) > 1:
             if group:
                 shards.append(group)
                 group, group_bytes = [], 0
-            for start in range(0, size, cfg.shard_bytes):
-                shards.append([Piece(str(path), start, min(start + cfg.shard_bytes, size))])
+            shards.extend([piece] for piece in pieces)
             continue
-        group.append(Piece(str(path)))
-        group_bytes += size
+        group.append(pieces[0])
+        group_bytes += path.stat().st_size
         if group_bytes >= cfg.shard_bytes:
             shards.append(group)
             group, group_bytes = [], 0
@@ -173,20 +220,38 @@ def _decode(raw: bytes, where: str) -> str:
         ) from None
 
 
+def _skip_to(handle, piece: Piece) -> tuple[int, int | None]:
+    """Move ``handle`` to the first line that starts at or after ``piece.start``: its offset
+    and the number of lines before it (None where a seek skipped them uncounted).
+
+    Uncompressed files seek; a compressed stream is read up to there (it cannot seek)."""
+    if piece.start == 0:
+        return 0, 0
+    if piece.unit == "bytes":
+        handle.seek(piece.start - 1)
+        return piece.start - 1 + len(handle.readline()), None  # the line started before
+    position = lines = 0
+    while position < piece.start:
+        line = handle.readline()
+        if not line:
+            break
+        position, lines = position + len(line), lines + 1
+    return position, lines
+
+
 def _jsonl_documents(piece: Piece, field: str) -> Iterator[tuple[str, str]]:
     path = Path(piece.path)
     with _open_binary(path) as handle:
-        position = piece.start
-        if piece.start > 0:
-            handle.seek(piece.start - 1)
-            position = piece.start - 1 + len(handle.readline())  # the line started before
-        lineno = 0
+        position, lineno = _skip_to(handle, piece)
         while piece.end < 0 or position < piece.end:
             line = handle.readline()
             if not line:
                 break
-            lineno += 1
-            where = f"{path}:{lineno}" if piece.start == 0 else f"{path} (line at byte {position})"
+            if lineno is None:
+                where = f"{path} (line at byte {position})"
+            else:
+                lineno += 1
+                where = f"{path}:{lineno}"
             position += len(line)
             if not line.strip():
                 continue
@@ -219,8 +284,11 @@ def _parquet_documents(piece: Piece, field: str) -> Iterator[tuple[str, str]]:
             f"{piece.path}: no column {field!r} (columns: {parquet.schema_arrow.names}). Fix: "
             "set data.field to the column that holds the text"
         )
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
+    groups = list(range(parquet.metadata.num_row_groups))
+    if piece.unit == "row_groups":
+        groups = groups[piece.start : None if piece.end < 0 else piece.end]
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(groups[0] if groups else 0))
+    for batch in parquet.iter_batches(batch_size=1024, columns=[field], row_groups=groups):
         for value in batch.column(0).to_pylist():
             row += 1
             yield ("" if value is None else value), f"{piece.path} (row {row})"
