@@ -225,6 +225,35 @@ def test_a_rerun_redoes_only_missing_shards(built, tmp_path):
     assert _sha(work / f"{TRAIN_PREFIX_NAME}.bin") == _sha(out / f"{TRAIN_PREFIX_NAME}.bin")
 
 
+def test_an_input_that_disappears_mid_run_fails_naming_it(built, tmp_path):
+    """A file gone after the build started: a job reading it names it, and every later step
+    (a shard job, the merge) stops on the plan the build started from, naming the file, so
+    no shard changes meaning and nothing complete-looking is left."""
+    import shutil
+
+    cfg, out, *_ = built
+    inputs = tmp_path / "in"
+    shutil.copytree(Path(cfg.files[0]).parent, inputs)
+    moved = cfg.model_copy(update={"files": [f"{inputs}/*"]})
+    work = tmp_path / "work"
+    shards.run_step(moved, work, "tokenizer")
+    planned = shards.plan_shards(moved)
+    index = next(i for i, s in enumerate(planned) if s[0].path.endswith("b.jsonl.gz"))
+    shards.run_step(moved, work, "shard", 0)
+    (inputs / "b.jsonl.gz").unlink()
+    with pytest.raises(shards.ShardError, match="b.jsonl.gz: cannot be read"):
+        list(shards.read_documents(planned[index], moved))
+    for step, shard in (("shard", index), ("shard", 1), ("merge", None)):
+        with pytest.raises(shards.ShardError, match=r"changed since .*b\.jsonl\.gz: gone"):
+            shards.run_step(moved, work, step, shard)
+    assert not (work / META_NAME).exists()
+    assert not shards.shard_files(work, index)["json"].exists()
+    (inputs / "a.jsonl").write_text("")  # restored b, but a changed size: named too
+    shutil.copy(Path(cfg.files[0]).parent / "b.jsonl.gz", inputs / "b.jsonl.gz")
+    with pytest.raises(shards.ShardError, match=r"a\.jsonl: [0-9,]+ bytes then, 0 now"):
+        shards.run_step(moved, work, "merge")
+
+
 def test_the_familys_own_bpe_is_trained_on_a_sample(raw, tmp_path):
     root, docs = raw
     cfg = _cfg(root, tokenizer_sample_bytes=5_000)
@@ -425,7 +454,7 @@ def test_bad_raw_input_fails_naming_the_file_and_leaves_no_shard(built, tmp_path
         )
     assert str(path) in str(info.value)
     leftovers = list((tmp_path / "out").glob("shards/*")) if (tmp_path / "out").exists() else []
-    assert leftovers == []
+    assert [p.name for p in leftovers if p.name != shards.PLAN_NAME] == []  # the inputs' record
 
 
 def test_empty_documents_can_be_skipped(built, tmp_path):

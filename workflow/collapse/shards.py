@@ -191,6 +191,44 @@ def plan_shards(cfg: ShardsDataConfig) -> list[list[Piece]]:
     return shards
 
 
+PLAN_NAME = "plan.json"
+
+
+def recorded_plan(cfg: ShardsDataConfig, out_dir: Path) -> list[list[Piece]]:
+    """``plan_shards``, checked against the plan the build started with (``shards/plan.json``,
+    written by its first step), so that an input that disappears, appears or changes size
+    mid-build stops the job, naming the file, instead of shifting which shard is which."""
+    shards = plan_shards(cfg)
+    record = {
+        "config_fingerprint": cfg.fingerprint(),
+        "files": {str(p): p.stat().st_size for p in input_files(cfg)},
+    }
+    path = Path(out_dir) / SHARDS_DIR / PLAN_NAME
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if before.get("config_fingerprint") == record["config_fingerprint"]:
+            old, new = before["files"], record["files"]
+            changes = [f"{f}: gone" for f in old if f not in new]
+            changes += [f"{f}: new" for f in new if f not in old]
+            changes += [
+                f"{f}: {old[f]:,} bytes then, {new[f]:,} now"
+                for f in new
+                if old.get(f, new[f]) != new[f]
+            ]
+            if changes:
+                raise ShardError(
+                    f"data.files changed since the shards were planned ({path}): "
+                    f"{'; '.join(changes[:5])}. Fix: restore the inputs, or delete "
+                    f"{path.parent} and rerun the data rules to tokenize them as they are now"
+                )
+            return shards
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return shards
+
+
 def estimate_text_bytes(cfg: ShardsDataConfig) -> int:
     """Text bytes of the inputs from their sizes (compressed files by a typical ratio)."""
     total = 0.0
@@ -387,6 +425,7 @@ def build_tokenizer(cfg: ShardsDataConfig, out_dir: Path) -> Path:
             f"tokenizer: vocab {tokenizer.get_vocab_size()} (asked {cfg.vocab_size}) trained in "
             f"{time.perf_counter() - tick:.1f} s"
         )
+    recorded_plan(cfg, out_dir)  # the build's first step: the inputs it starts from
     os.replace(tmp, target)
     return target
 
@@ -486,7 +525,7 @@ def tokenize_shard(cfg: ShardsDataConfig, out_dir: Path, index: int) -> ShardSum
 
     start = time.perf_counter()
     out_dir = Path(out_dir)
-    shards = plan_shards(cfg)
+    shards = recorded_plan(cfg, out_dir)
     if not 0 <= index < len(shards):
         raise DatasetError(f"shard {index} does not exist: the inputs make {len(shards)} shards")
     shard = shards[index]
@@ -620,7 +659,7 @@ def merge_shards(cfg: ShardsDataConfig, out_dir: Path) -> ShardsSummary:
     start = time.perf_counter()
     out_dir = Path(out_dir)
     (out_dir / META_NAME).unlink(missing_ok=True)
-    shards = plan_shards(cfg)
+    shards = recorded_plan(cfg, out_dir)
     summaries = []
     for index in range(len(shards)):
         path = shard_files(out_dir, index)["json"]
@@ -724,7 +763,7 @@ def run_step(cfg: ShardsDataConfig, out_dir: Path, step: str, shard: int | None 
     if step == "merge":
         return merge_shards(cfg, out_dir)
     build_tokenizer(cfg, out_dir)
-    for index in range(len(plan_shards(cfg))):
+    for index in range(len(recorded_plan(cfg, out_dir))):
         if not shard_files(out_dir, index)["json"].is_file():
             tokenize_shard(cfg, out_dir, index)
     return merge_shards(cfg, out_dir)
