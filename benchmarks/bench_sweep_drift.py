@@ -13,6 +13,19 @@ exponent's slope differs by tau: the assumption of ``collapse.sweep_drift`` brok
 "beyond" (the sweep at s224, larger than every family size: the drift extrapolated).
 
     python benchmarks/bench_sweep_drift.py [--draws 5]
+
+Published schedule sweeps (``--schedules NAME=PKL``): Qiu et al.'s logs/c5m_schedules.pkl and
+logs/mlp_schedules.pkl (github.com/shikaiqiu/supercollapse, not shipped; a pickle can run code
+when loaded: give only files from that source) train several widths on one token budget with
+five learning-rate schedules each (constant; linear and multi-cosine decay, over the last 20 %
+or all of training). Each width w but the smallest becomes a sweep over the schedules, each
+variant referenced by the smallest width at its schedule, and the drift is fitted on the other
+widths at the family's schedule (linear decay over all of training). The schedule is written
+into the ``tau`` column, the key the stage pairs variants with references by: the drift is
+assumed not to depend on the schedule, as the stage assumes it does not depend on tau.
+
+    python benchmarks/bench_sweep_drift.py --draws 0 --schedules c5m=c5m_schedules.pkl \
+        --schedules mlp=mlp_schedules.pkl
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -101,13 +115,102 @@ def run_case(offset, slopes, sweep_size, seed) -> pd.DataFrame:
         return pd.read_csv(folder / "out" / "metrics.csv")
 
 
+FAMILY_SCHEDULE = ("linear", 1.0)  # decay to zero over all of training, as in their families
+
+
+def schedule_runs(path: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Curves and per-run metadata of a published schedule sweep, on its most common budget."""
+    logs = pd.read_pickle(path)
+    logs = logs[logs["T"] == logs["T"].mode().iloc[0]]
+    smallest = logs[logs["D"] == logs["D"].min()]  # the schedules every sweep has a reference of
+    keys = sorted({(r.schedule, float(r.decay_frac)) for r in smallest.itertuples()})
+    logs = logs[[(r.schedule, float(r.decay_frac)) in keys for r in logs.itertuples()]]
+    frames, rows = [], []
+    for r in logs.itertuples():
+        key = (r.schedule, float(r.decay_frac))
+        history = r.history[r.history["step"] >= 1]
+        run = f"d{r.D}-{r.schedule}{r.decay_frac:g}"
+        steps = int(history["step"].max())
+        frames.append(
+            pd.DataFrame({"run": run, "step": history["step"].astype(int)}).assign(
+                loss=history["test_loss"].to_numpy(float), steps=steps
+            )
+        )
+        rows.append(
+            {"run": run, "width": int(r.D), "size": f"d{r.D}", "params": float(r.num_params)}
+            | {"tau": 1.0 + keys.index(key), "schedule": f"{r.schedule} {r.decay_frac:g}"}
+            | {"is_family": key == FAMILY_SCHEDULE, "tpp_band": 1.0, "stop_fraction": 1.0}
+            | {"flops": float(history["compute"].max())}
+        )
+    return pd.concat(frames, ignore_index=True), pd.DataFrame(rows)
+
+
+def run_schedule_sweeps(name: str, path: str) -> None:
+    curves, meta = schedule_runs(path)
+    smallest = meta["width"].min()
+    complete = meta.groupby("width")["tau"].nunique()
+    for width in sorted(meta["width"].unique()):
+        if width == smallest or complete[width] < complete[smallest]:
+            continue
+        role = np.select(
+            [meta["width"] == width, meta["width"] == smallest, meta["is_family"]],
+            ["sweep", "sweep_reference", "family"],
+            "",
+        )
+        runs = meta.assign(role=role, sweep=np.where(role == "sweep", "schedule", ""))
+        runs = runs[runs["role"] != ""]
+        # the smallest width at the family's schedule is also a family run (like tiny's d96)
+        twin = meta[(meta["width"] == smallest) & meta["is_family"]]
+        twin = twin.assign(run=twin["run"] + "-family", role="family", sweep="")
+        runs = pd.concat([runs, twin], ignore_index=True)
+        curves_twin = curves[curves["run"].isin(twin["run"].str.removesuffix("-family"))]
+        curves_in = pd.concat(
+            [
+                curves[curves["run"].isin(runs["run"])],
+                curves_twin.assign(run=lambda c: c.run + "-family"),
+            ]
+        )
+        family_sizes = sorted(runs[runs.role == "family"]["width"].unique())
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            curves_in.to_csv(folder / "curves.csv", index=False)
+            runs.drop(columns=["is_family", "width"]).to_csv(folder / "runs.csv", index=False)
+            args = ["stage", "sweep", str(folder / "curves.csv"), "--runs"]
+            args += [str(folder / "runs.csv"), "--fractions", "0.1", "0.2", "0.3"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert cli_main([*args, "--out", str(folder / "out")]) == 0
+            metrics = pd.read_csv(folder / "out" / "metrics.csv")
+            drift = json.loads((folder / "out" / "drift.json").read_text())
+        fitted = [w for w in family_sizes if w != width]
+        where = "inside" if min(fitted) < width < max(fitted) else "beyond"
+        print(
+            f"{name} sweep at d{width} (drift fitted on d{', d'.join(map(str, fitted))}: "
+            f"{where}; L0 {drift.get('offset_L0', float('nan')):.3f}):"
+        )
+        for method, rows in metrics[metrics.method != "random"].groupby("method", sort=False):
+            rows = rows.sort_values("fraction")
+            mae = " / ".join(f"{v:.3f}" for v in rows.mean_abs_error_pct)
+            regret = " / ".join(f"{v:.4f}" for v in rows.regret_loss)
+            print(f"  {method:9s} MAE % {mae:22s} regret {regret}")
+        random = metrics[metrics.method == "random"].regret_loss.iloc[0]
+        print(f"  best: {metrics.best_run.iloc[0]}; random regret {random:.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draws", type=int, default=5, help="noise draws per case")
+    parser.add_argument("--draws", type=int, default=5, help="noise draws per synthetic case")
+    parser.add_argument(
+        "--schedules",
+        action="append",
+        default=[],
+        metavar="NAME=PKL",
+        help="a published schedule sweep (see above); repeatable",
+    )
     args = parser.parse_args()
     start = time.time()
-    print(f"{'case':16s} {'method':9s} MAE % at 10/20/30 %      winner picked")
-    for name, (offset, slopes, size) in CASES.items():
+    if args.draws > 0:
+        print(f"{'case':16s} {'method':9s} MAE % at 10/20/30 %      winner picked")
+    for name, (offset, slopes, size) in CASES.items() if args.draws > 0 else ():
         metrics = pd.concat(run_case(offset, slopes, size, seed) for seed in range(args.draws))
         metrics = metrics[metrics.method != "random"]
         for method, rows in metrics.groupby("method", sort=False):
@@ -117,7 +220,10 @@ def main() -> None:
                 f"{name:16s} {method:9s} {' / '.join(f'{v:.2f}' for v in mae):20s}"
                 f"     {picked}/{len(rows)}"
             )
-    print(f"({args.draws} draws per case, {time.time() - start:.0f} s)")
+    for spec in args.schedules:
+        name, _, path = spec.partition("=")
+        run_schedule_sweeps(name, path)
+    print(f"({args.draws} draws per synthetic case, {time.time() - start:.0f} s)")
 
 
 if __name__ == "__main__":
