@@ -140,7 +140,12 @@ def test_report_tables_equal_their_sources(smoke):
 
 def test_sweep_predictions_and_metrics(smoke):
     preds = pd.read_csv(smoke / "sweeps" / "tau" / "predictions.csv")
-    assert set(preds.method) == {"collapse", "current", "powerlaw"}
+    # the size drift is fitted on the family's sizes other than the sweep's d64
+    drift = json.loads((smoke / "sweeps" / "tau" / "drift.json").read_text())
+    fit_runs = ["d32-tpp4-s0", "d32-tpp4-s1", "d48-tpp4-s0", "d48-tpp4-s1", "d96-tpp4-s0"]
+    assert drift["fit_runs"] == fit_runs
+    assert set(preds.method) - {"drift"} == {"collapse", "current", "powerlaw"}
+    assert ("drift" in set(preds.method)) == drift["fitted"], drift["note"]
     assert set(preds.fraction) == {0.2, 0.3}
     metrics = pd.read_csv(smoke / "sweeps" / "tau" / "metrics.csv")
     assert metrics[metrics.method == "collapse"].selected_run.str.startswith("sweep-tau").all()

@@ -72,6 +72,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
     docs/method.md §5: the reference of a setting is a small model trained with the same
     controls (schedule, tau, TPP). The plan adds one such run per distinct tau of the grid.
+    The family's own sizes among the curves (``sweep_drift.drift_fit_runs``) give the size
+    drift, which the "drift" method applies to every variant; drift.json says what it assumed,
+    or why it could not be fitted.
     """
     import numpy as np
     import pandas as pd
@@ -80,6 +83,12 @@ def _sweep(args: argparse.Namespace) -> int:
     from collapse.predict import predict_runs
     from collapse.reference import reference_curve
     from collapse.sweep import sweep_metrics, truth_from_predictions, write_sweep_report
+    from collapse.sweep_drift import (
+        ASSUMPTION,
+        drift_fit_runs,
+        fit_sweep_drift,
+        predict_sweep_drift,
+    )
 
     curves = smooth(read_curves(args.curves, args.runs))
     runs = pd.read_csv(args.runs).set_index("run")
@@ -88,24 +97,41 @@ def _sweep(args: argparse.Namespace) -> int:
     variants = mine[mine.role == Role.SWEEP]
     if references.empty or variants.empty:
         raise SystemExit("error: a sweep needs its variants and its sweep_reference runs")
-    tables = []
+    sweeps = variants["sweep"].astype(str).unique()
+    fit_runs = [r for s in sweeps for r in drift_fit_runs(runs, s)]
+    fit, note = fit_sweep_drift(curves, fit_runs)
+    tables, drifted = [], []
     for tau, group in variants.groupby("tau"):
         ref_run = references.index[np.argmin(np.abs(references["tau"].to_numpy() - tau))]
         reference = reference_curve(resample(curves.select([ref_run])))
         table = predict_runs(curves, reference, args.fractions, runs=list(group.index))
         tables.append(table.assign(reference_run=ref_run))
-    table = pd.concat(tables, ignore_index=True)
+        if fit is None:
+            continue
+        try:
+            found = predict_sweep_drift(curves, fit, ref_run, list(group.index), args.fractions)
+        except ValueError as err:  # every variant by the drift, or none: one selection
+            fit, note = None, f"the size drift cannot be applied ({err}); the paper's method only"
+            continue
+        drifted.append(found.assign(reference_run=ref_run))
+    table = pd.concat(tables + (drifted if fit is not None else []), ignore_index=True)
     table["sweep"] = table["run"].map(runs["sweep"]).astype(str)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "predictions.csv", index=False, float_format="%.6g")
+    drift = {"fitted": fit is not None, "note": note, "fit_runs": fit_runs}
+    if fit is not None:
+        drift |= {"assumption": ASSUMPTION} | fit.to_dict()
+    (out / "drift.json").write_text(json.dumps(drift, indent=2) + "\n")
+    print(note)
     truth = truth_from_predictions(table)
     truth["flops"] = truth["run"].map(runs["flops"])
     metrics = sweep_metrics(table, truth)
     metrics.to_csv(out / "metrics.csv", index=False, float_format="%.6g")
     write_sweep_report(metrics, out)
-    for _, row in metrics[metrics.method == "collapse"].sort_values("fraction").iterrows():
-        print(f"at {row.fraction:.0%} of training: collapse selects {row.selected_run}")
+    chosen = metrics[metrics.method.isin(["collapse", "drift"])].sort_values("fraction")
+    for _, row in chosen.iterrows():
+        print(f"at {row.fraction:.0%} of training: {row.method} selects {row.selected_run}")
     return 0
 
 
@@ -193,7 +219,13 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_share)
 
     p = sub.add_parser("sweep", help="predict a sweep's final losses from partial runs")
-    p.add_argument("curves", nargs="+", type=Path, help="variants and their sweep_reference runs")
+    p.add_argument(
+        "curves",
+        nargs="+",
+        type=Path,
+        help="variants, their sweep_reference runs, and the family runs the size drift is "
+        "fitted on (collapse.sweep_drift.drift_fit_runs)",
+    )
     p.add_argument("--runs", type=Path, required=True)
     p.add_argument("--fractions", type=float, nargs="+", required=True)
     p.add_argument("--out", type=Path, required=True)

@@ -1,0 +1,164 @@
+"""The size drift in a sweep's predictions: fitted on the family's own sizes, applied per tau.
+
+Source: docs/method.md §5 (the sweep's prediction) and §9 (size drift, ``collapse.drift``). A
+sweep predicts each variant against the small run trained at the variant's tau (the paper's one
+reference per combination of controls). That run is one size, so the drift of the normalized
+shape with size cannot be fitted from it: the paper's method carries it into every variant's
+prediction, the more the further the variant's size is from the reference's. The family's own
+sizes, trained to the end at the sweep's TPP band and the family's tau, do show the drift:
+``collapse.drift.fit_drift`` fits an offset L0 and a slope of the shape exponent in log size on
+them. Applied to a variant at another tau, under the assumption that the drift does not depend
+on tau (one L0, one exponent a(x) = 1 + slope (x - x_ref) for every tau):
+
+    ell_tau(x) = ell_tau(x_r) ** (a(x) / a(x_r)),   ell = (L - L0) / (L(T) - L0)
+
+with x_r the size of the variant's reference run, whose curve normalized with L0 gives
+ell_tau(x_r). Between the family's fitted sizes the drift is measured, so a variant there gets
+a(x) as fitted. Beyond them, as in ``collapse.drift.predict_drift``, two hypotheses are
+averaged: the drift stops at the nearest fitted size (a held at its value there) or continues
+linearly in log size; their half difference enters the uncertainty with the alignment misfit
+and the jackknife over the family's runs. (``predict_drift``'s own "all offset" hypothesis, a = 1
+at every size, would discard the measured drift between the reference run's size and the
+variant's: on the synthetic family of tests/test_sweep_drift.py, with the exponent's slope 0.5
+per unit log parameters and L0 0, it errs by 4.5 % where the fitted a(x) errs by 0.25 %.)
+
+Runs at the size of a variant are left out of the fit: at the family's tau such a run is a
+variant's own future (a variant stopped early can be the first part of it). Where fewer than two
+sizes remain, or the sizes carry no number, the sweep keeps the paper's method only and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+
+from collapse.curves import Curves, resample, size_labels
+from collapse.drift import DriftFit, fit_drift_jackknife, predict_drift, size_coordinate
+from collapse.predict import DRIFT_METHOD, _prediction_row, alignment_window
+from collapse.roles import Role
+
+ASSUMPTION = (
+    "the size drift (offset L0 and the shape exponent's slope in log size) fitted on the "
+    "family's own sizes at its tau holds at every tau of the sweep"
+)
+TAU_RTOL = 1e-6  # the planner's realized tau differs by float noise across sizes
+
+
+def drift_fit_runs(runs: pd.DataFrame, sweep: str) -> list[str]:
+    """The family runs a sweep's size drift is fitted on (plan table or runs.csv rows).
+
+    Full-length family runs at the sweep's TPP band and the family's tau there (the tau most
+    sizes were trained at, when the band has several), without the sizes of the sweep's
+    variants. Empty when the sweep has no variants or the band no family runs.
+    """
+    table = runs.reset_index() if "run" not in runs.columns else runs
+    variants = table[(table["role"] == Role.SWEEP) & (table["sweep"].astype(str) == sweep)]
+    if variants.empty:
+        return []
+    family = table[(table["role"] == Role.FAMILY) & table["tpp_band"].isin(variants["tpp_band"])]
+    if "stop_fraction" in family.columns:
+        family = family[pd.to_numeric(family["stop_fraction"], errors="coerce") >= 1 - 1e-9]
+    family = family[~family["size"].isin(set(variants["size"]))]
+    if family.empty:
+        return []
+    taus = family["tau"].to_numpy(float)
+    groups = [np.isclose(taus, t, rtol=TAU_RTOL) for t in taus]
+    best = max(groups, key=lambda g: (family["size"][g].nunique(), g.sum()))
+    return list(family["run"][best])
+
+
+def fit_sweep_drift(curves: Curves, runs: list[str]) -> tuple[DriftFit | None, str]:
+    """``fit_drift_jackknife`` on the complete ``runs`` of ``curves`` (smoothed); or None and
+    the reason it cannot be fitted."""
+    have = [r for r in runs if r in curves.meta.index and bool(curves.meta.at[r, "complete"])]
+    missing = sorted(set(runs) - set(have))
+    why = f" ({len(missing)} of the family's runs are missing or incomplete)" if missing else ""
+    sizes = size_labels(curves.meta.loc[have]).nunique() if have else 0
+    if sizes < 2:
+        return None, (
+            f"the family has {sizes} size(s) trained to the end at the sweep's tau and TPP "
+            f"besides the variants' size{why}; the size drift needs two or more, so the sweep "
+            "predicts with the paper's method only"
+        )
+    try:
+        fit = fit_drift_jackknife(resample(curves.select(have)))
+    except ValueError as err:
+        return None, f"the size drift cannot be fitted ({err}); the paper's method only"
+    return fit, f"size drift fitted on {', '.join(fit.sizes)}{why}"
+
+
+def transfer(
+    fit: DriftFit, curves: Curves, reference_run: str, x_reference: float, x_stop: float
+) -> DriftFit:
+    """The fit moved to another tau: its shape becomes the reference run's, normalized with L0.
+
+    With a(x) the fit's exponent, the result's ``ell(x)`` is
+    ell_tau(x_r) ** (a(x) / a(x_r)) exactly, and its ``ell(x, exponent_drift=False)`` is
+    ell_tau(x_r) ** (a(x_stop) / a(x_r)), the drift stopped at ``x_stop`` (``stop_point``): the
+    two hypotheses ``drift.predict_drift`` averages. The jackknife replicas move alike, each
+    with its own L0 and slope.
+    """
+    matrix = resample(curves.select([reference_run]))
+
+    def moved(f: DriftFit) -> DriftFit:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            log_ell = np.log(matrix.normalized(f.offset)[0])
+        a_ref, a_stop = f.exponent(x_reference), f.exponent(x_stop)
+        if not (a_ref > 0 and a_stop > 0):
+            raise ValueError(
+                f"the fitted shape exponent is {min(a_ref, a_stop):.3g} at a sweep run's size: "
+                "the size drift does not extrapolate that far"
+            )
+        return replace(
+            f,
+            slope=f.slope / a_stop,
+            x_ref=float(x_stop),
+            t_hat=matrix.grid,
+            shape=log_ell * a_stop / a_ref,
+        )
+
+    return replace(moved(fit), replicas=[moved(r) for r in fit.replicas])
+
+
+def stop_point(fit: DriftFit, x: float) -> float:
+    """x clamped to the span of the fitted sizes: where the drift stops if it stops."""
+    return float(np.clip(x, min(fit.size_x), max(fit.size_x)))
+
+
+def predict_sweep_drift(
+    curves: Curves,
+    fit: DriftFit,
+    reference_run: str,
+    variants: list[str],
+    fractions: list[float],
+) -> pd.DataFrame:
+    """DRIFT_METHOD rows (``predict.PREDICTION_COLUMNS``) of the variants sharing one reference.
+
+    ``curves`` smoothed, holding the variants and the reference run; their sizes must carry the
+    coordinate the fit was made in (``drift.size_coordinate``).
+    """
+    x, coordinate = size_coordinate(curves.meta.loc[[reference_run, *variants]])
+    if coordinate != fit.coordinate:
+        raise ValueError(
+            f"the size drift was fitted in {fit.coordinate} but the sweep's runs give "
+            f"{coordinate}: give every run the same size column (params)"
+        )
+    data = dict(tuple(curves.data.groupby("run", sort=False, observed=True)))
+    rows = []
+    for run in variants:
+        t_hat = data[run]["t_hat"].to_numpy(float)
+        loss = data[run]["loss_smooth"].to_numpy(float)
+        truth = float(loss[-1]) if bool(curves.meta.at[run, "complete"]) else np.nan
+        x_run = float(x[run])
+        moved = transfer(
+            fit, curves, reference_run, float(x[reference_run]), stop_point(fit, x_run)
+        )
+        for fraction in fractions:
+            if t_hat.max() < fraction - 1e-9:
+                continue
+            keep = t_hat <= fraction + 1e-9
+            p = predict_drift(t_hat[keep], loss[keep], moved, x_run, alignment_window(fraction))
+            rows.append(_prediction_row(run, fraction, DRIFT_METHOD, p, truth))
+    return pd.DataFrame(rows)
