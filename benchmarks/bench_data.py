@@ -7,6 +7,10 @@ shard steps) against the tokenizer's own ``encode_batch`` on the same text, one 
 
     python benchmarks/bench_data.py                         # 0.2, 1 and 4 GB (long)
     python benchmarks/bench_data.py --sizes-gb 0.02 0.1 0.4 --shard-mb 32
+    python benchmarks/bench_data.py --sizes-gb 0.2 --shard-mb 25 --jobs 1 2   # scaling
+
+With --jobs, the shard steps of the first size run again, N at a time as parallel workflow
+jobs would, and the wall-clock MB/s of each N is printed with its speedup over the first.
 
 Targets: peak RSS at the largest size within 1.2x of the smallest; pipeline >= 0.8x the encoder.
 """
@@ -134,12 +138,34 @@ def bench(size_gb: float, work: Path, shard_mb: int, vocab: int) -> dict:
     }
 
 
+def shard_scaling(config: Path, out: Path, total: int, jobs: list[int]) -> list[tuple]:
+    """(jobs, wall MB/s, speedup) of the shard steps run ``jobs`` at a time, from scratch."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    from collapse import shards
+    from collapse.data import load_data_config
+
+    count = len(shards.plan_shards(load_data_config(config)))
+    rows = []
+    for n in jobs:
+        shutil.rmtree(out / shards.SHARDS_DIR, ignore_errors=True)
+        (out / "meta.json").unlink(missing_ok=True)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            list(pool.map(lambda i: run_step(config, out, "shard", i), range(count)))
+        rate = total / (time.perf_counter() - start) / 1e6
+        rows.append((n, round(rate, 2), round(rate / rows[0][1], 2) if rows else 1.0))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.2, 1.0, 4.0])
     parser.add_argument("--shard-mb", type=int, default=256)  # the stage's default
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--jobs", type=int, nargs="+", help="shard jobs at a time, to compare")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_data-"))
     results = [bench(size, work, args.shard_mb, args.vocab) for size in args.sizes_gb]
@@ -159,6 +185,14 @@ def main() -> None:
         f"tokenizer encode_batch (1 thread): {baseline / 1e6:.2f} MB/s/core; pipeline encoder: "
         f"{results[0]['encoder']}; peak RSS growth {growth:.2f}x (target <= 1.2x)"
     )
+    if args.jobs:
+        size = args.sizes_gb[0]
+        config, out = work / f"data-{size:g}.json", work / f"out-{size:g}"
+        total = int(first["size_gb"] * 1e9)
+        print(f"shard steps of {first['size_gb']:g} GB in {first['shards']} shards, "
+              f"{os.cpu_count()} cores:")  # fmt: skip
+        for n, rate, speedup in shard_scaling(config, out, total, args.jobs):
+            print(f"  {n} job(s) at a time: {rate:g} MB/s wall, {speedup:.2f}x")
 
 
 if __name__ == "__main__":
