@@ -97,6 +97,8 @@ def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
         "else echo gpu017; echo gpu018; fi\n"
     )
     (bin_dir / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    # the roll call before torchrun (collapse.rendezvous, tested on its own): its arguments
+    (bin_dir / "python").write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/roll_call"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     command = multinode_command(
@@ -104,13 +106,23 @@ def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
     )
     per_node = shlex.split(command)[-1]
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="12345")
-    env["SLURM_JOB_NODELIST"] = "gpu[017-018]"
+    env.update(SLURM_JOB_NODELIST="gpu[017-018]", SLURMD_NODENAME="gpu018", SLURM_NODEID="1")
     out = subprocess.run(["bash", "-c", per_node], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split()
     assert "--rdzv_endpoint=10.1.0.17:22345" in args  # the first node's NodeAddr
     assert "--rdzv_id=12345" in args
     assert args[-4:] == ["-m", "collapse.train", "--spec", SPEC_PATH]
+    assert "--rdzv_conf=join_timeout=300" in args  # the cluster's rendezvous_timeout_s
+    roll_call = (bin_dir / "roll_call").read_text().split()
+    assert roll_call[:2] == ["-m", "collapse.rendezvous"]
+    assert roll_call[2:] == [
+        "--node", "gpu018", "--nodes", "gpu017,gpu018", "--head", "10.1.0.17",
+        "--port", "32345", "--timeout", "300",
+    ]  # fmt: skip
+    assert "launcher on node gpu018 (node 2 of 2): joining the rendezvous at 10.1.0.17:22345" in (
+        out.stderr
+    )
 
 
 def test_multinode_needs_slurm():
