@@ -3,19 +3,19 @@
 A rank that hangs (a stuck kernel, a frozen process, a node that stalls) makes every other rank
 wait in its next collective. After the cluster's ``distributed_timeout_min`` the process
 group's timeout ends that wait with an error ("Timed out waiting ... for recv"), which names
-no rank. ``RollCall``, made at the start of training, exchanges every rank's node and pid over a
-gloo group of its own; after a timeout the ranks still alive meet in
-``torch.distributed.monitored_barrier`` on that group, and rank 0 learns which ranks did not
-come (gloo's "Ranks 3 failed to pass monitoredBarrier"). Each surviving rank logs what it
-knows, rank 0 the missing ranks with their nodes and pids, and the job fails instead of hanging
-until its time limit: within twice the timeout of the hang.
+no rank. ``RollCall``, made at the start of training, exchanges every rank's node and pid; after
+a timeout each rank still alive checks in at the job's key-value store (the one the ranks met
+through, which torchrun's agent on the first node holds, outside any rank) and waits, up to the
+timeout again, for the others. Each surviving rank then logs the ranks that never checked in,
+with their nodes and pids, and the job fails instead of hanging until its time limit: within
+twice the timeout of the hang.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -23,6 +23,7 @@ import torch.distributed as dist
 TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
 # the job's exit code after a collective timeout: the workflow's retry resumes the run
 EXIT_COLLECTIVE_TIMEOUT = 6
+ROLL_CALL_KEY = "collapse/roll_call"
 
 
 def is_collective_timeout(err: BaseException) -> bool:
@@ -36,7 +37,8 @@ def node_name() -> str:
 
 
 class RollCall:
-    """Every rank's node and pid, and a gloo group to find the ranks that stopped answering.
+    """Every rank's node and pid (exchanged at the start over a gloo group of its own), and
+    the roll call that finds the ranks that stopped answering.
 
     Made by every rank at the same point (the group and the exchange are collectives)."""
 
@@ -53,25 +55,31 @@ class RollCall:
         return f"rank {rank} (node {node}, pid {pid})"
 
     def missing(self) -> str:
-        """After a collective timed out: which ranks do not answer (rank 0 knows; the others
-        say so). Waits up to the timeout for the ranks still alive to come."""
+        """After a collective timed out: the ranks that do not check in at the store within
+        the timeout (every surviving rank finds the same)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        world = len(self.where)
         try:
-            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
-        except RuntimeError as err:
-            found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(err))
-            if found:
-                ranks = [int(r) for r in re.findall(r"\d+", found.group(1))]
-                return (
-                    ", ".join(self.describe(r) for r in ranks)
-                    + f" did not answer within {self.timeout_min:g} min"
-                )
-            if self.rank != 0:
-                return (
-                    f"{self.describe(0)} collects the roll call; its log names the rank that "
-                    f"stopped answering ({str(err).splitlines()[0][:200]})"
-                )
-            return f"the roll call failed: {str(err).splitlines()[0][:300]}"
-        return "every rank answered the roll call after the timeout (a transient stall)"
+            store = _get_default_store()
+            store.set(f"{ROLL_CALL_KEY}/{self.rank}", "here")
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while True:
+                absent = [r for r in range(world) if not store.check([f"{ROLL_CALL_KEY}/{r}"])]
+                if not absent or time.monotonic() >= deadline:
+                    break
+                time.sleep(1.0)
+        except Exception as err:  # the store's host (the first node) is gone too
+            return (
+                "the job's store on the first node does not answer either "
+                f"({str(err).splitlines()[0][:200]}): the first node is the likely one gone"
+            )
+        if not absent:
+            return "every rank checked in after the timeout (a transient stall)"
+        return (
+            ", ".join(self.describe(r) for r in absent)
+            + f" did not answer within {self.timeout_min:g} min"
+        )
 
     def report(self, err: BaseException) -> str:
         """One line for this rank's log after ``err``, a collective timeout."""
