@@ -1,4 +1,4 @@
-"""Run under torchrun: the last rank stops answering; the others' collective times out, and
+"""Run under torchrun: the last rank goes silent; the others' collective times out, and
 collapse.hangs names it. Prints each surviving rank's report line; argv[1]: the timeout (min)."""
 
 import os

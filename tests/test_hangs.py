@@ -1,4 +1,4 @@
-"""A rank that stops answering: the others' collective times out after the configured timeout,
+"""A rank that goes silent: the others' collective times out after the configured timeout,
 and every surviving rank names the silent one with its node and pid (collapse.hangs), on real
 gloo ranks."""
 

@@ -423,9 +423,9 @@ def test_a_node_missing_from_the_rendezvous_is_named_within_the_configured_timeo
     try:
         job = wait_until(running_train_job, 600, "the train job to run", every_s=0.1)
         os.kill(slurmd_pid, signal.SIGSTOP)
-        stopped = time.monotonic()
+        froze = time.monotonic()
         wait_until(lambda: squeue_state(job) not in ("RUNNING", ""), 300, f"job {job} to end")
-        failed_after = time.monotonic() - stopped
+        failed_after = time.monotonic() - froze
     finally:
         os.kill(slurmd_pid, signal.SIGCONT)
         # Slurm counts the frozen node's silence as a node failure and requeues the job

@@ -310,7 +310,7 @@ def test_segments_of_a_two_node_run_chain_as_two_node_jobs(cluster, tmp_path):
 
     last_job = max(map(int, time_limits(0)), default=0)
     began = time.monotonic()
-    # retries: a segment slower than planned here stops by its time budget and is resumed
+    # retries: a segment slower than planned here ends by its time budget and is resumed
     done = subprocess.run(
         [*args, "--retries", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=1800,

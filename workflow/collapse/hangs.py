@@ -1,4 +1,4 @@
-"""Which rank stopped answering, once a collective has timed out.
+"""Which rank went silent, once a collective has timed out.
 
 A rank that hangs (a stuck kernel, a frozen process, a node that stalls) makes every other rank
 wait in its next collective. After the cluster's ``distributed_timeout_min`` the process
@@ -38,7 +38,7 @@ def node_name() -> str:
 
 class RollCall:
     """Every rank's node and pid (exchanged at the start over a gloo group of its own), and
-    the roll call that finds the ranks that stopped answering.
+    the roll call that finds the ranks that went silent.
 
     Made by every rank at the same point (the group and the exchange are collectives)."""
 

@@ -23,7 +23,7 @@ Exit codes: 0 finished (or a segment before the last finished); 75 stopped by SI
 by the time budget after saving a checkpoint (rerun to resume); 3 the online collapse monitor
 raised an alarm (checkpoint saved); 4 the loss became NaN/inf (the last good checkpoint is
 kept); 2 bad spec or data; 6 a collective timed out (cluster.distributed_timeout_min: a rank
-stopped answering; the log names it, collapse.hangs).
+went silent; the log names it, collapse.hangs).
 
 ``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
 checkpoints, the job log, the collapse monitor and its controls audit, TensorBoard, preemption and
@@ -148,7 +148,7 @@ def init_distributed(spec: RunSpec) -> None:
         distributed_timeout_minutes=timeout_min,
     )
     global _ROLL_CALL
-    if world > 1:  # who stopped answering, should a collective time out (collapse.hangs)
+    if world > 1:  # who went silent, should a collective time out (collapse.hangs)
         from collapse.hangs import RollCall
 
         _ROLL_CALL = RollCall(timeout_min)
