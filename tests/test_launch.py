@@ -80,6 +80,9 @@ def test_multinode_srun_starts_one_torchrun_per_node_with_c10d_rendezvous():
     assert "--nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d" in per_node
     assert '--rdzv_endpoint="$head:$port"' in per_node
     assert f"-m collapse.train --spec {SPEC_PATH}" in per_node
+    # the cluster's rendezvous timeout, for the roll call and torchrun; 64 threads / 8 ranks
+    assert "--timeout 300 || exit $?" in per_node and "--rdzv_conf=join_timeout=300" in per_node
+    assert "export OMP_NUM_THREADS=8; exec torchrun" in per_node
     resources = slurm_resources(spec)
     assert resources["mpi"] == "srun" and resources["tasks"] == 4 and resources["nodes"] == 4
     assert resources["gres"] == "gpu:8" and resources["gpu"] is None  # per node, not per job
@@ -97,6 +100,8 @@ def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
         "else echo gpu017; echo gpu018; fi\n"
     )
     (bin_dir / "torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    # the roll call before torchrun (collapse.rendezvous, tested on its own): its arguments
+    (bin_dir / "python").write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/roll_call"\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
     command = multinode_command(
@@ -104,13 +109,23 @@ def test_multinode_per_node_script_finds_the_first_node_and_a_port(tmp_path):
     )
     per_node = shlex.split(command)[-1]
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="12345")
-    env["SLURM_JOB_NODELIST"] = "gpu[017-018]"
+    env.update(SLURM_JOB_NODELIST="gpu[017-018]", SLURMD_NODENAME="gpu018", SLURM_NODEID="1")
     out = subprocess.run(["bash", "-c", per_node], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     args = out.stdout.split()
     assert "--rdzv_endpoint=10.1.0.17:22345" in args  # the first node's NodeAddr
     assert "--rdzv_id=12345" in args
     assert args[-4:] == ["-m", "collapse.train", "--spec", SPEC_PATH]
+    assert "--rdzv_conf=join_timeout=300" in args  # the cluster's rendezvous_timeout_s
+    roll_call = (bin_dir / "roll_call").read_text().split()
+    assert roll_call[:2] == ["-m", "collapse.rendezvous"]
+    assert roll_call[2:] == [
+        "--node", "gpu018", "--nodes", "gpu017,gpu018", "--head", "10.1.0.17",
+        "--port", "32345", "--timeout", "300",
+    ]  # fmt: skip
+    assert "launcher on node gpu018 (node 2 of 2): joining the rendezvous at 10.1.0.17:22345" in (
+        out.stderr
+    )
 
 
 def test_multinode_needs_slurm():
@@ -181,3 +196,44 @@ def test_sbatch_request_shows_what_the_plugin_submits():
     assert request.endswith("--gres=gpu:8")
     cpu = sbatch_request(make_spec())
     assert "--ntasks=1" in cpu and "gpu" not in cpu
+
+
+def test_multinode_launcher_stops_before_torchrun_when_the_roll_call_fails(tmp_path):
+    """A node missing from the roll call (collapse.rendezvous exits 1): the launcher exits with
+    its code and never starts torchrun, so srun's --kill-on-bad-exit ends the job at once."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho gpu017; echo gpu018\n")
+    (bin_dir / "python").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "torchrun").write_text('#!/bin/sh\ntouch "$(dirname "$0")/torchrun_ran"\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    spec = make_spec(dp=4, nodes=2, procs_per_node=2, threads=4)
+    resources = spec.resources.model_copy(update={"rendezvous_timeout_s": 42})
+    spec = spec.model_copy(update={"resources": resources})
+    per_node = shlex.split(train_command(spec, SPEC_PATH, executor="slurm"))[-1]
+    assert "--timeout 42 " in per_node and "join_timeout=42" in per_node
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="7")
+    env.update(SLURM_JOB_NODELIST="gpu[017-018]", SLURMD_NODENAME="gpu017", SLURM_NODEID="0")
+    out = subprocess.run(["bash", "-c", per_node], env=env, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert not (bin_dir / "torchrun_ran").exists()
+
+
+def test_the_cluster_config_sets_both_distributed_timeouts_of_every_run():
+    from collapse.config import ConfigError, load_config
+    from collapse.plan import plan_family
+
+    default = plan_family(load_config(["family=smoke", "cluster=slurm_h100"]))
+    assert {(r.resources.rendezvous_timeout_s, r.resources.distributed_timeout_min)
+            for r in default.runs} == {(300, 10)}  # fmt: skip
+    cfg = load_config(
+        ["family=smoke", "cluster=slurm_h100", "cluster.rendezvous_timeout_s=42",
+         "cluster.distributed_timeout_min=3"]
+    )  # fmt: skip
+    plan = plan_family(cfg)
+    assert {(r.resources.rendezvous_timeout_s, r.resources.distributed_timeout_min)
+            for r in plan.runs} == {(42, 3)}  # fmt: skip
+    for key in ("rendezvous_timeout_s", "distributed_timeout_min"):
+        with pytest.raises(ConfigError, match=rf"cluster\.{key}"):
+            load_config(["family=smoke", "cluster=slurm_h100", f"cluster.{key}=0"])

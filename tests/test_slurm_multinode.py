@@ -9,6 +9,7 @@ compared, step by step, with the same spec trained by one process outside Slurm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -402,6 +403,92 @@ def test_a_node_that_never_starts_its_launcher_fails_the_job_naming_it(cluster, 
     assert first.returncode != 0
     assert f"{HOST}-2" in log
     assert failed_after < 300  # 110 s measured, most of it Snakemake noticing the failed job
+
+
+def test_a_node_missing_from_the_rendezvous_is_named_within_the_configured_timeout(
+    cluster, tmp_path
+):
+    """The second node's slurmd is frozen once the job runs, so its launcher never starts; the
+    first node's roll call (collapse.rendezvous) waits cluster.rendezvous_timeout_s, 5 s here
+    (Slurm's own launch failure comes after its MessageTimeout, 10 s), then names the node and
+    fails the job."""
+    base = Path("/tmp/collapse-slurm/run")
+    slurmd_pid = int((base / f"slurmd-{HOST}-2.pid").read_text())
+    args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "0", snakefile=REPO / "Snakefile")
+    settings = [*layout_overrides(**DP2_ACROSS), "+cluster.rendezvous_timeout_s=5"]
+    first = start_in_background(
+        [*args, *overrides(*settings)], cwd=tmp_path, env=snakemake_env(OMP_NUM_THREADS="1")
+    )
+    job = None
+    try:
+        job = wait_until(running_train_job, 600, "the train job to run", every_s=0.1)
+        os.kill(slurmd_pid, signal.SIGSTOP)
+        froze = time.monotonic()
+        wait_until(lambda: squeue_state(job) not in ("RUNNING", ""), 300, f"job {job} to end")
+        failed_after = time.monotonic() - froze
+    finally:
+        os.kill(slurmd_pid, signal.SIGCONT)
+        # Slurm counts the frozen node's silence as a node failure and requeues the job
+        # (--requeue); it must not run again once the node answers
+        if job:
+            subprocess.run(["scancel", job])
+    try:
+        out, _ = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    log = (tmp_path / f"results/{FAMILY}/logs/train/{RUN}.log").read_text()
+    print(f"job {job} ended {failed_after:.0f} s after {HOST}-2 froze; log: {log[-800:]}")
+    assert first.returncode != 0
+    assert f"launcher on node {HOST}-1 " in log and f"launcher on node {HOST}-2 " not in log
+    assert f"rendezvous: node(s) {HOST}-2 did not reach the rendezvous on {HOST}-1" in log, log[
+        -3000:
+    ]
+    assert "within 5 s (cluster.rendezvous_timeout_s)" in log
+    assert failed_after < 120
+
+
+def test_a_hung_rank_fails_the_job_within_the_configured_timeout_naming_it(cluster, tmp_path):
+    """The rank on the second node is frozen (SIGSTOP) while it trains: the first node's rank
+    waits cluster.distributed_timeout_min (1 min here) in its all-reduce, then a roll call at
+    the job's store (collapse.hangs) names the silent rank, its node and pid, and the job fails
+    (exit 6)."""
+    log_path = tmp_path / f"results/{FAMILY}/logs/train/{RUN}.log"
+    args = snakemake_slurm_args(tmp_path, CURVE, "--retries", "0", snakefile=REPO / "Snakefile")
+    settings = [*layout_overrides(**DP2_ACROSS), "+cluster.distributed_timeout_min=1"]
+    first = start_in_background(
+        [*args, *overrides(*settings)], cwd=tmp_path, env=snakemake_env(OMP_NUM_THREADS="1")
+    )
+    victims: list[int] = []
+    try:
+        # the rank is found before it trains (28 steps take about a second), frozen at step 2
+        victims = wait_until(lambda: rank_pids(f"{HOST}-2"), 900, "the rank on node 2", 0.1)
+        job = running_train_job()
+        assert job and len(victims) == 1, (job, victims)
+        wait_until(lambda: steps_logged(log_path) >= 2, 300, "step 2", every_s=0.01)
+        os.kill(victims[0], signal.SIGSTOP)
+        frozen = time.monotonic()
+        frozen_at = steps_logged(log_path)
+        wait_until(lambda: squeue_state(job) not in ("RUNNING", ""), 600, f"job {job} to end")
+        failed_after = time.monotonic() - frozen
+        out, _ = first.communicate(timeout=600)
+    finally:
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if first.poll() is None:
+            first.kill()
+    log = log_path.read_text()
+    named = re.search(r"rank \d \(node (\S+), pid (\d+)\) did not answer within 1 min", log)
+    print(
+        f"the rank on {HOST}-2 frozen after step {frozen_at}: job {job} failed "
+        f"{failed_after:.0f} s later; {named.group(0) if named else log[-1500:]}"
+    )
+    assert first.returncode != 0
+    assert frozen_at < 28
+    assert named and named.group(1) == f"{HOST}-2" and int(named.group(2)) == victims[0], log
+    assert "a collective found no answer within 1 min (cluster.distributed_timeout_min)" in log
+    assert 60 <= failed_after < 240  # the timeout, the roll call's wait, Slurm ending the job
 
 
 # -------------------------------------------------------------------------------- resharding

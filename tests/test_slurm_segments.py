@@ -3,9 +3,12 @@
 One smoke run (d32) is planned longer than the limit, so it trains in three segments: two
 train_segment jobs and its train job, chained by Snakemake, each submitted with ``-t 3``. The
 second segment's job is cancelled while it trains; Snakemake's retry resumes it from its
-checkpoint. The final curve equals, bit for bit, the same run trained in one process without a
-limit. A segment that runs slower than planned stops by its time budget (exit 75) and is retried
-the same way.
+checkpoint. The cancel cannot land after the segment's end: the segment's training process is
+frozen (SIGSTOP) as soon as it logs a step, and only then cancelled; Slurm's cancel sends
+SIGCONT and SIGTERM, so the process finishes its step, saves and exits 75. The final curve
+equals, bit for bit, the same run trained in one process without a limit. A segment that runs
+slower than planned stops by its time budget (exit 75) and is retried the same way. A second
+test runs the segments of a run planned over two nodes, each segment a two-node job.
 
 Three minutes, not one or two: Slurm's early SIGTERM comes 60 s before the limit (its
 resolution), and on a 2-core machine busy with other work a job's start (imports, Megatron, the
@@ -14,7 +17,12 @@ dataset index) alone can take most of a minute, which left a 2-minute job about 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -33,8 +41,6 @@ from slurm.cluster import (
 )
 from workflow_cli import snakemake_cmd
 
-# 2.5 min. Not in CI: on a quiet machine segment 2 can train from step 50 to its end (18 steps,
-# about 1 s) before the scancel lands, and the cancelled job's retry then never happens.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 FAMILY = "smoke"
@@ -42,6 +48,7 @@ RUN = "d32-tpp4-s0"  # a reference size: not monitored, so it needs no reference
 TARGET = f"results/{FAMILY}/runs/{RUN}/curve.parquet"
 LIMIT_MIN = 3
 PARTITION = "debug"
+HOST = socket.gethostname().split(".")[0]
 # the CPU cluster's facts through Slurm, with the partition's 3-minute limit; its peak FLOP/s
 # lowered so that d32's estimate (2.2 min x margin 2 = 4.4 min) needs three jobs of 1.75 min
 # training each (3 min - 1 min of SIGTERM lead - 0.25 min of start)
@@ -106,6 +113,33 @@ def running_segment_job(segment: int) -> str | None:
     return None
 
 
+def training_pids(job_id: str) -> list[int]:
+    """The training processes (``python -m collapse.train``, not torchrun) of Slurm job
+    ``job_id`` on this machine."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        launcher = b"torch.distributed.run" in argv or argv[0].endswith(b"torchrun")
+        of_job = f"SLURM_JOB_ID={job_id}".encode() in environ
+        if b"collapse.train" in argv and of_job and not launcher:
+            pids.append(int(proc.name))
+    return pids
+
+
+def steps_logged(log: Path) -> int:
+    """The last step a training log shows (0: none yet)."""
+    if not log.is_file():
+        return 0
+    return max((int(m) for m in re.findall(r"^step (\d+)/", log.read_text(), re.M)), default=0)
+
+
+@pytest.mark.ci  # 140-145 s on a quiet 2-core machine
 def test_a_run_longer_than_the_partition_limit_trains_in_segments(cluster, tmp_path):
     from collapse.runspec import RunSpec
 
@@ -130,20 +164,33 @@ def test_a_run_longer_than_the_partition_limit_trains_in_segments(cluster, tmp_p
     last_job = max(map(int, time_limits(0)), default=0)  # earlier jobs squeue still shows
     began = time.monotonic()
     first = start_in_background(slurm_args(tmp_path, "--retries", "8"), cwd=tmp_path, env=env)
+    frozen: list[int] = []
     try:
-        # cancel segment 2 while it trains (it logs every 10 steps; segment 1 ended at 34)
+        # segment 2 (steps 35..68) is cancelled while it trains: its training process is
+        # frozen (SIGSTOP) as soon as the log shows its first step, so it cannot reach its end
+        # before the cancel lands; Slurm's cancel sends SIGCONT, then SIGTERM, and the step
+        # under way finishes, saves and exits 75
         segment_log = results / "logs" / "train" / f"{RUN}.segment2.log"
 
-        def training_segment_2():
+        def segment_2_process():
             job = running_segment_job(2)
-            shows = segment_log.is_file() and "step 50/" in segment_log.read_text()
-            return job if job and shows else None
+            pids = training_pids(job) if job else []
+            return (job, pids) if pids else None
 
-        job = wait_until(training_segment_2, 900, f"segment 2 of {RUN} training", every_s=0.2)
-        subprocess.run(["scancel", job])
+        job, pids = wait_until(segment_2_process, 900, f"segment 2 of {RUN} to start", 0.2)
+        wait_until(lambda: steps_logged(segment_log), 300, "segment 2's first step", 0.02)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        frozen = pids
+        frozen_at = steps_logged(segment_log)
+        assert 35 <= frozen_at < 68, frozen_at
+        subprocess.run(["scancel", job], check=True)
         wait_until(lambda: squeue_state(job) in ("CANCELLED", ""), 120, f"job {job} to end")
         log, _ = first.communicate(timeout=1800)
     finally:
+        for pid in frozen:  # Slurm's SIGCONT reached them; this only covers a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         if first.poll() is None:
             first.kill()
     took = time.monotonic() - began
@@ -156,7 +203,11 @@ def test_a_run_longer_than_the_partition_limit_trains_in_segments(cluster, tmp_p
     assert json.loads((run_dir / "segments" / "2.json").read_text())["step"] == 68
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["steps_done"] == meta["steps_target"] == 101
-    assert len(meta["restarts"]) >= 3  # two segment starts and the cancelled job's retry
+    # the segment starts at 34 and 68, and the retry of the cancelled job from the checkpoint
+    # it saved after the SIGTERM, inside segment 2
+    resumed = [r["step"] for r in meta["restarts"]]
+    assert len(resumed) == 3 and resumed[0] == 34 and resumed[2] == 68, resumed
+    assert frozen_at < resumed[1] < 68, (frozen_at, resumed)
 
     limits = time_limits(last_job)  # every job of this workflow, training or not
     trained = [j for j in jobs_of_rule("train_segment") + jobs_of_rule("train") if j in limits]
@@ -187,3 +238,147 @@ def test_a_run_longer_than_the_partition_limit_trains_in_segments(cluster, tmp_p
     assert list(curve.step) == list(range(1, 102))
     for column in ("loss", "grad_norm", "lr"):
         assert curve[column].tolist() == reference[column].tolist()
+
+
+# ------------------------------------------------------------------------ segments over two nodes
+TWO_NODE_RUN = "d32-tpp0.5-s0"
+TWO_NODE_TARGET = f"results/{FAMILY}/runs/{TWO_NODE_RUN}/curve.parquet"
+# d32 at TPP 0.5 (28 steps) over 2 nodes x 2 processes (TP2 inside a node, DP2 across), its
+# estimate (10.9 GFLOP at 3e8 x MFU 0.25: 145 s, x margin 2 = 4.8 min) cut into three
+# 3-minute jobs of 1.75 min training each: segments end at steps 10, 19 and 28
+TWO_NODE_OVERRIDES = [
+    "cluster.executor=slurm",
+    f"+cluster.partition={PARTITION}",
+    "cluster.mem_gb=2",
+    "cluster.threads_per_proc=1",
+    f"+cluster.time_limit_min={LIMIT_MIN}",
+    "cluster.job_startup_min=0.25",
+    "cluster.peak_flops=3e8",
+    "+cluster.nodes_per_run=2",
+    "cluster.procs_per_run=4",
+    "+cluster.tp=2",
+    "family.tpp=[0.5]",
+    "family.sizes=[{name:d32,d_model:32,n_layers:2,n_heads:2}]",
+    "family.reference.sizes=[d32]",
+    "family.reference.seeds=[0]",
+    "family.sweeps=[]",
+    "family.data.max_corpus_bytes=400000",
+    "family.training.log_every_steps=1",
+]
+TWO_NODE_CONFIG = [
+    "--config",
+    f"family={FAMILY}",
+    "cluster=local",
+    f"overrides={json.dumps(TWO_NODE_OVERRIDES)}",
+]
+
+
+def jobs_by_comment(after: int) -> dict[str, tuple[str, int, str]]:
+    """Every job submitted after job id ``after``: its id -> (comment, nodes, node list)."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "-o", "%i %k %D %N"], capture_output=True, text=True
+    ).stdout
+    jobs = {}
+    for line in out.splitlines():
+        job_id, comment, nodes, nodelist = (line.split() + [""])[:4]
+        if int(job_id) > after:
+            jobs[job_id] = (comment, int(nodes), nodelist)
+    return jobs
+
+
+def test_segments_of_a_two_node_run_chain_as_two_node_jobs(cluster, tmp_path):
+    """A run planned over two nodes and longer than the limit: Snakemake chains its three
+    segments, every one a job of two nodes (srun starts a launcher on each, they meet in one
+    rendezvous), and the curve equals, bit for bit, the same layout trained in one go."""
+    from collapse.runspec import RunSpec
+
+    env = snakemake_env(OMP_NUM_THREADS="1")
+    data = subprocess.run(
+        snakemake_cmd(tmp_path, f"results/{FAMILY}/data/meta.json", *TWO_NODE_CONFIG, cores=1),
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert data.returncode == 0, data.stderr[-3000:]
+    args = snakemake_slurm_args(
+        tmp_path, TWO_NODE_TARGET, *TWO_NODE_CONFIG, snakefile=REPO / "Snakefile"
+    )
+    dry = subprocess.run(
+        [*args, "-n"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"wildcards: run={TWO_NODE_RUN}, segment=1" in dry.stdout
+    assert f"wildcards: run={TWO_NODE_RUN}, segment=2" in dry.stdout
+    assert "segment=3" not in dry.stdout
+
+    last_job = max(map(int, time_limits(0)), default=0)
+    began = time.monotonic()
+    # retries: a segment slower than planned here ends by its time budget and is resumed
+    done = subprocess.run(
+        [*args, "--retries", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=1800,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    assert done.returncode == 0, done.stderr[-5000:]
+
+    results = tmp_path / "results" / FAMILY
+    run_dir = results / "runs" / TWO_NODE_RUN
+    spec = RunSpec.load(results / "plan" / "runs" / f"{TWO_NODE_RUN}.json")
+    assert (spec.parallel.nodes, spec.parallel.procs_per_node, spec.parallel.tp) == (2, 2, 2)
+    assert spec.resources.segments == 3 and spec.resources.runtime_min == LIMIT_MIN
+    marks = [json.loads((run_dir / "segments" / f"{k}.json").read_text()) for k in (1, 2)]
+    assert [m["step"] for m in marks] == [10, 19]
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["steps_done"] == meta["steps_target"] == 28
+    assert {10, 19} <= {r["step"] for r in meta["restarts"]}
+
+    # every training job of the run had two nodes and stayed within the limit; each of its
+    # logs has the launcher lines of both nodes
+    jobs = jobs_by_comment(last_job)
+    limits = time_limits(last_job)
+    wildcards = f"wildcards_{TWO_NODE_RUN}"
+    trained = {
+        job: (comment, nodes, nodelist)
+        for job, (comment, nodes, nodelist) in jobs.items()
+        if comment.startswith((f"rule_train_segment_{wildcards}_", f"rule_train_{wildcards}"))
+    }
+    segments_seen = {comment.rsplit("_", 1)[-1] for comment, _, _ in trained.values()}
+    assert {"1", "2", TWO_NODE_RUN} <= segments_seen, trained
+    for job, (comment, nodes, nodelist) in trained.items():
+        assert nodes == 2 and nodelist == f"{HOST}-[1-2]", (job, comment, nodes, nodelist)
+        assert limits[job] <= LIMIT_MIN
+    for log_name in (f"{TWO_NODE_RUN}.segment1.log", f"{TWO_NODE_RUN}.segment2.log",
+                     f"{TWO_NODE_RUN}.log"):  # fmt: skip
+        log = (results / "logs" / "train" / log_name).read_text()
+        for node in (f"{HOST}-1", f"{HOST}-2"):
+            assert f"launcher on node {node} " in log, (log_name, log[-2000:])
+
+    # the same layout (TP2 x DP2, four gloo ranks) trained in one go, outside Slurm
+    straight = spec.model_copy(
+        update={
+            "run_dir": str(tmp_path / "straight" / "run"),
+            "checkpoint_dir": str(tmp_path / "straight" / "checkpoints"),
+            "parallel": spec.parallel.model_copy(update={"nodes": 1, "procs_per_node": 4}),
+            "resources": spec.resources.model_copy(
+                update={"nodes": 1, "segments": 1, "exit_duration_min": 0.0}
+            ),
+        }
+    )
+    path = tmp_path / "straight" / "spec.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(straight.to_json())
+    alone = subprocess.run(
+        ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4", "-m",
+         "collapse.train", "--spec", str(path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    curve = pd.read_parquet(run_dir / "curve.parquet")
+    reference = pd.read_parquet(Path(straight.run_dir) / "curve.parquet")
+    diff = (curve.loss - reference.loss).abs().max()
+    print(
+        f"two-node run in 3 segments through Slurm: {took:.0f} s, jobs {sorted(trained)}, "
+        f"restarts {[r['step'] for r in meta['restarts']]}, max |loss diff| to the "
+        f"uninterrupted run {diff:.3g}"
+    )
+    assert list(curve.step) == list(range(1, 29))
+    for column in ("loss", "grad_norm", "lr"):
+        assert curve[column].tolist() == reference[column].tolist(), column

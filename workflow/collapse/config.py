@@ -524,6 +524,12 @@ class ClusterSpec(_Spec):
     time_limit_min: float | None = None  # None: no limit (this machine)
     checkpoint_gb_per_s: PositiveFloat = 1.0  # write (and read) speed of the checkpoint disk
     job_startup_min: Annotated[float, Field(ge=0)] = 2.0  # job start to the first step
+    # distributed timeouts (collapse.launch, collapse.train): how long the launchers of a
+    # multi-node job wait for every node to join the rendezvous (torchrun's join_timeout), and
+    # how long a rank waits in a collective for the others (init_process_group's timeout, as
+    # Megatron-LM's --distributed-timeout-minutes) before the job fails instead of hanging
+    rendezvous_timeout_s: PositiveInt = 300
+    distributed_timeout_min: PositiveInt = 10
 
     @field_validator("time_limit_min")
     @classmethod

@@ -44,6 +44,8 @@ TRAIN_MODULE = "collapse.train"
 # jobs whose first node is the same do not collide
 RDZV_PORT_BASE = 20000
 RDZV_PORT_SPAN = 10000
+# the roll call before torchrun (collapse.rendezvous) listens on the port above torchrun's range
+ROLL_CALL_PORT_BASE = RDZV_PORT_BASE + RDZV_PORT_SPAN
 # the lead of the early SIGTERM before the time limit: a tenth of the run time, within these
 # bounds (Slurm delivers --signal with a resolution of about 60 s)
 SIGNAL_LEAD_MIN_S = 60
@@ -85,6 +87,7 @@ def train_command(
             nodes=p.nodes,
             procs_per_node=p.procs_per_node,
             cpus_per_task=spec.resources.threads,
+            rendezvous_timeout_s=spec.resources.rendezvous_timeout_s,
         )
     return single_node_command(TRAIN_MODULE, args, procs=p.procs_per_node)
 
@@ -99,12 +102,24 @@ def single_node_command(module: str, args: list[str], *, procs: int) -> str:
 
 
 def multinode_command(
-    module: str, args: list[str], *, nodes: int, procs_per_node: int, cpus_per_task: int
+    module: str,
+    args: list[str],
+    *,
+    nodes: int,
+    procs_per_node: int,
+    cpus_per_task: int,
+    rendezvous_timeout_s: int = 300,
 ) -> str:
     """srun one torchrun per node of the current allocation; they meet on its first node.
 
     Must run inside the allocation (the batch step, as the jobstep plugin's ``mpi`` mode
     does); ``$SLURM_JOB_NODELIST`` and ``$SLURM_JOB_ID`` are read in each srun task.
+
+    Each node's launcher first answers a roll call on the first node (collapse.rendezvous),
+    which names the nodes that do not arrive within ``rendezvous_timeout_s``; torchrun's own
+    rendezvous then gets the same ``join_timeout``. Each rank gets ``cpus_per_task //
+    procs_per_node`` threads (OMP_NUM_THREADS): Snakemake sets the rule's threads, the whole
+    node's, which every rank would otherwise take.
     """
     # the rendezvous host is the first node's NodeAddr, the address Slurm itself reaches it at
     # (a NodeName need not resolve, e.g. several slurmd on one host); its name where unset
@@ -114,13 +129,28 @@ def multinode_command(
         "| cut -d= -f2); "
         "head=${addr:-$head}"
     )
-    port = f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))"
+    port = (
+        f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN})); "
+        f"roll_port=$(({ROLL_CALL_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))"
+    )
+    me = 'me="${SLURMD_NODENAME:-$(hostname)}"'
+    # one line per node in the job's log: which node's launcher started, and where it joins
+    announce = (
+        f'echo "launcher on node $me (node $((SLURM_NODEID + 1)) of {nodes}): joining the '
+        f'rendezvous at $head:$port (timeout {rendezvous_timeout_s} s)" >&2'
+    )
+    roll_call = (
+        'python -m collapse.rendezvous --node "$me" --nodes "$(scontrol show hostnames '
+        '"$SLURM_JOB_NODELIST" | paste -sd, -)" --head "$head" --port "$roll_port" '
+        f"--timeout {rendezvous_timeout_s} || exit $?"
+    )
+    threads = f"export OMP_NUM_THREADS={max(1, cpus_per_task // procs_per_node)}"
     torchrun = (
         f"torchrun --nnodes={nodes} --nproc_per_node={procs_per_node} "
         '--rdzv_backend=c10d --rdzv_id="$SLURM_JOB_ID" --rdzv_endpoint="$head:$port" '
-        + shlex.join(["-m", module, *args])
+        f"--rdzv_conf=join_timeout={rendezvous_timeout_s} " + shlex.join(["-m", module, *args])
     )
-    per_node = f"{first_node}; {port}; exec {torchrun}"
+    per_node = "; ".join([first_node, port, me, announce, roll_call, threads, f"exec {torchrun}"])
     srun = (
         f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 "
         f"--cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"

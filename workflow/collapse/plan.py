@@ -459,6 +459,8 @@ class ResourcePlan(ABC):
             runtime_min=self.runtime_min(wall_hours),
             slurm_partition=self.cluster.partition,
             slurm_account=self.cluster.account,
+            rendezvous_timeout_s=self.cluster.rendezvous_timeout_s,
+            distributed_timeout_min=self.cluster.distributed_timeout_min,
         ).model_copy(update=limits)
 
 

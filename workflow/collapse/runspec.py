@@ -115,6 +115,9 @@ class Resources(_Strict):
     segments: int = 1
     exit_duration_min: float = 0.0  # 0: no stop by time
     checkpoint_save_min: float = 0.0
+    # distributed timeouts (the cluster's rendezvous_timeout_s, distributed_timeout_min)
+    rendezvous_timeout_s: int = 300
+    distributed_timeout_min: int = 10
 
 
 class Logging(_Strict):

@@ -22,7 +22,8 @@ stops, saving, before that much time has passed (``TimeBudget``).
 Exit codes: 0 finished (or a segment before the last finished); 75 stopped by SIGTERM/SIGUSR1 or
 by the time budget after saving a checkpoint (rerun to resume); 3 the online collapse monitor
 raised an alarm (checkpoint saved); 4 the loss became NaN/inf (the last good checkpoint is
-kept); 2 bad spec or data.
+kept); 2 bad spec or data; 6 a collective timed out (cluster.distributed_timeout_min: a rank
+went silent; the log names it, collapse.hangs).
 
 ``run`` trains a step, reads its loss and calls the hooks of its callbacks; evaluation,
 checkpoints, the job log, the collapse monitor and its controls audit, TensorBoard, preemption and
@@ -51,6 +52,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -107,6 +109,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_ROLL_CALL = None  # collapse.hangs.RollCall of a job of several ranks
+
+
 def init_distributed(spec: RunSpec) -> None:
     """Process group (nccl on GPU, gloo on CPU) and Megatron's model-parallel groups."""
     if "RANK" not in os.environ:  # plain `python -m collapse.train`: a world of one
@@ -131,12 +136,22 @@ def init_distributed(spec: RunSpec) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend=backend)
+    # a rank that waits longer than this in a collective fails the job instead of hanging it
+    # (the cluster's distributed_timeout_min, as Megatron-LM's --distributed-timeout-minutes)
+    timeout_min = spec.resources.distributed_timeout_min
+    torch.distributed.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_min))
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        distributed_timeout_minutes=timeout_min,
     )
+    global _ROLL_CALL
+    if world > 1:  # who went silent, should a collective time out (collapse.hangs)
+        from collapse.hangs import RollCall
+
+        _ROLL_CALL = RollCall(timeout_min)
     tensor_parallel.model_parallel_cuda_manual_seed(spec.optim.seed)
 
 
@@ -889,6 +904,15 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         code = err.exit_code
+    except Exception as err:
+        from collapse.hangs import EXIT_COLLECTIVE_TIMEOUT, is_collective_timeout
+
+        if _ROLL_CALL is None or not is_collective_timeout(err):
+            raise
+        print(f"error: {_ROLL_CALL.report(err)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # the process group is broken: leaving through Python's exit would abort in gloo
+        os._exit(EXIT_COLLECTIVE_TIMEOUT)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
