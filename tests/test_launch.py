@@ -223,6 +223,7 @@ def test_multinode_launcher_stops_before_torchrun_when_the_roll_call_fails(tmp_p
 def test_the_cluster_config_sets_both_distributed_timeouts_of_every_run():
     from collapse.config import ConfigError, load_config
     from collapse.plan import plan_family
+    from collapse.runspec import RunSpec
 
     default = plan_family(load_config(["family=smoke", "cluster=slurm_h100"]))
     assert {(r.resources.rendezvous_timeout_s, r.resources.distributed_timeout_min)
@@ -234,6 +235,15 @@ def test_the_cluster_config_sets_both_distributed_timeouts_of_every_run():
     plan = plan_family(cfg)
     assert {(r.resources.rendezvous_timeout_s, r.resources.distributed_timeout_min)
             for r in plan.runs} == {(42, 3)}  # fmt: skip
+    # at their defaults they are left out of the spec, whose hash (the rerun trigger) stays
+    # what it was before they were settings; a spec read back gets the defaults again
+    assert all('"rendezvous_timeout_s"' not in r.to_json() for r in default.runs)
+    assert all('"distributed_timeout_min": 3' in r.to_json() for r in plan.runs)
+    back = RunSpec.model_validate_json(default.runs[0].to_json())
+    assert (back.resources.rendezvous_timeout_s, back.resources.distributed_timeout_min) == (
+        300,
+        10,
+    )
     for key in ("rendezvous_timeout_s", "distributed_timeout_min"):
         with pytest.raises(ConfigError, match=rf"cluster\.{key}"):
             load_config(["family=smoke", "cluster=slurm_h100", f"cluster.{key}=0"])

@@ -119,6 +119,16 @@ class Resources(_Strict):
     rendezvous_timeout_s: int = 300
     distributed_timeout_min: int = 10
 
+    @model_serializer(mode="wrap")
+    def _omit_default_timeouts(self, handler):
+        """Timeouts left at their defaults serialize as before they were fields, so that a
+        spec's hash (the rerun trigger) does not change and finished runs are not retrained."""
+        out = handler(self)
+        for field in ("rendezvous_timeout_s", "distributed_timeout_min"):
+            if out.get(field) == type(self).model_fields[field].default:
+                out.pop(field)
+        return out
+
 
 class Logging(_Strict):
     log_every_steps: int
