@@ -34,9 +34,10 @@ def test_one_process_runs_python_directly():
 
 
 def test_cpu_ranks_on_one_node_run_under_torchrun_standalone():
-    spec = make_spec(dp=2, procs_per_node=2)
+    spec = make_spec(dp=2, procs_per_node=2, threads=2)
     command = train_command(spec, "plan dir/d128.json", executor="local")
     assert shlex.split(command) == [
+        "OMP_NUM_THREADS=1",  # each rank its share of the job's 2 threads, not both
         "torchrun",
         "--standalone",
         "--nnodes=1",
@@ -51,7 +52,9 @@ def test_cpu_ranks_on_one_node_run_under_torchrun_standalone():
 def test_single_node_gpus_one_torchrun_and_one_slurm_task():
     spec = make_spec(tp=2, dp=2, gpus=4, procs_per_node=4, gpus_per_node=4, threads=16)
     command = train_command(spec, SPEC_PATH, executor="slurm")
-    assert command.split()[:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4"]
+    assert command.split()[:5] == [
+        "OMP_NUM_THREADS=4", "torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=4"
+    ]  # fmt: skip
     assert "srun" not in command  # the jobstep plugin already runs the command in one srun task
     resources = slurm_resources(spec)
     assert resources["gpu"] == 4 and resources["gres"] is None

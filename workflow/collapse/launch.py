@@ -89,16 +89,23 @@ def train_command(
             cpus_per_task=spec.resources.threads,
             rendezvous_timeout_s=spec.resources.rendezvous_timeout_s,
         )
-    return single_node_command(TRAIN_MODULE, args, procs=p.procs_per_node)
+    return single_node_command(
+        TRAIN_MODULE, args, procs=p.procs_per_node, threads=spec.resources.threads
+    )
 
 
-def single_node_command(module: str, args: list[str], *, procs: int) -> str:
-    """Run ``python -m module args`` as ``procs`` processes on this node."""
+def single_node_command(
+    module: str, args: list[str], *, procs: int, threads: int | None = None
+) -> str:
+    """Run ``python -m module args`` as ``procs`` processes on this node; with ``threads``
+    (the job's), each process gets its share as OMP_NUM_THREADS, since Snakemake exports the
+    job's whole count and every rank would take all of it."""
     tail = shlex.join(["-m", module, *args])
     if procs == 1:
         return f"python {tail}"
+    share = "" if threads is None else f"OMP_NUM_THREADS={max(1, threads // procs)} "
     # --standalone: a private rendezvous on a free local port, so parallel jobs never collide
-    return f"torchrun --standalone --nnodes=1 --nproc_per_node={procs} {tail}"
+    return f"{share}torchrun --standalone --nnodes=1 --nproc_per_node={procs} {tail}"
 
 
 def multinode_command(
