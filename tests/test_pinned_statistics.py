@@ -509,6 +509,7 @@ def test_gate_plot_draws_the_run_its_residual_and_the_crossing(drawn, tmp_path):
     ell_run = residual[1] + reference.ell  # as the analysis draws it
     plot_gate(tmp_path / "outside.png", outside, GRID, ell_run, reference)
     top, bottom = drawn[0].axes[:2]
+    assert top.get_subplotspec().get_gridspec().get_height_ratios() == [3, 2]
     ref, run = top.lines
     assert ref.get_xydata() == _approx(np.column_stack([GRID, [1.5, 1.2, 1.1, 1.05, 1.0]]))
     assert run.get_xydata() == _approx(np.column_stack([GRID, [1.5, 1.2, 1.1, 1.0705, 1.0]]))
@@ -538,13 +539,16 @@ def test_gate_plot_draws_the_run_its_residual_and_the_crossing(drawn, tmp_path):
 def test_gate_plot_of_a_passed_run_is_blue_and_scaled_to_the_threshold(drawn, tmp_path):
     from collapse.gates import plot_gate
 
-    verdicts, residual = _probe_gates(GatePolicy())
+    verdicts, residual = _probe_gates(GatePolicy(window=(0.4, 1.0)))
     reference = _reference()
     inside = verdicts[0]
     assert inside.run == "inside" and inside.passed
     plot_gate(tmp_path / "inside.png", inside, GRID, residual[0] + reference.ell, reference)
     top, bottom = drawn[0].axes[:2]
     assert top.lines[1].get_color() == "C0" and bottom.lines[0].get_color() == "C0"
+    # the y range covers the run from the window's start (t_hat 0.4: 1.0 .. 1.2), not the 1.5
+    # at 0.2 before it
+    assert top.get_ylim() == _approx((0.98 * 1.0, 1.02 * 1.2))
     assert top.get_title() == "inside: gate PASS"
     assert len(bottom.lines) == 3  # r and +-threshold: no crossing to mark
     # |r| at most 0.0195, below the threshold 0.02: the limits follow the threshold
@@ -615,3 +619,124 @@ def test_reference_surrogate_uses_the_runs_controls_and_warmup():
     assert A.fit_reference_surrogate(_matrix()) is None  # no tau, tpp
     gap = frame.assign(tpp=np.where(frame["run"] == "s2_s1", np.nan, 20.0))
     assert A.fit_reference_surrogate(A.load_matrix(gap, window_steps=1, grid=GRID)) is None
+
+
+# ---------------------------------------------------------------- small helpers
+
+
+def test_default_reference_sizes_leave_a_size_to_test():
+    """The two smallest sizes, but never every size: with two sizes only the smaller one."""
+    assert A.default_reference_sizes(["s1"]) == ["s1"]
+    assert A.default_reference_sizes(["s1", "s2"]) == ["s1"]
+    assert A.default_reference_sizes(["s1", "s2", "s3"]) == ["s1", "s2"]
+    assert A.default_reference_sizes(["s1", "s2", "s3", "s4"]) == ["s1", "s2"]
+
+
+def test_json_outputs_hold_no_nan(tmp_path):
+    """NaN and inf (a statistic over too few points) become null; numpy values plain numbers."""
+    payload = {
+        "nan": float("nan"),
+        "inf": np.float64(np.inf),
+        "x": np.float32(0.5),
+        "n": np.int64(3),
+        "arr": np.array([1.0, np.nan]),
+        "pair": (0.2, float("-inf")),
+        1: {"deep": [np.nan, 2]},
+    }
+    path = A.write_json(tmp_path / "sub" / "out.json", payload)
+    assert path.read_text() == (
+        "{\n"
+        '  "nan": null,\n'
+        '  "inf": null,\n'
+        '  "x": 0.5,\n'
+        '  "n": 3,\n'
+        '  "arr": [\n    1.0,\n    null\n  ],\n'
+        '  "pair": [\n    0.2,\n    null\n  ],\n'
+        '  "1": {\n    "deep": [\n      null,\n      2\n    ]\n  }\n'
+        "}\n"
+    )
+
+
+def test_offset_must_be_finite_and_below_every_loss():
+    meta = _matrix().meta  # min_loss: s3's runs reach 2.0 x 1.0 = 2.0 at t_hat 1
+    assert meta["min_loss"].min() == pytest.approx(2.0)
+    A.check_offset(meta, 1.99)
+    with pytest.raises(ValueError, match=r"--offset 2 is not below every loss: run s3_s0 "):
+        A.check_offset(meta, 2.0)
+    with pytest.raises(ValueError, match=r"--offset nan: give a finite number"):
+        A.check_offset(meta, float("nan"))
+    with pytest.raises(ValueError, match=r"--offset inf"):
+        A.check_offset(meta, float("inf"))
+
+
+def test_reference_sizes_must_be_among_the_sizes():
+    with pytest.raises(ValueError, match=r"\['s9'\] not among the sizes in the curves"):
+        A._reference_part(_matrix(), ["s1", "s9"])
+    with pytest.raises(ValueError, match=r"reference size\(s\) \[\] not among"):
+        A._reference_part(_matrix(), [])
+    part = A._reference_part(_matrix(), ["s2"])
+    assert list(part.meta.index) == ["s2_s0", "s2_s1", "s2_s2"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(window=(0.5, 0.5)),  # empty
+        dict(window=(0.6, 0.3)),  # reversed
+        dict(window=(-0.1, 0.5)),  # before the start of training
+        dict(align_window=(0.2, 1.01)),  # past its end
+        dict(k_sigma=0.0),
+        dict(floor=-0.001),
+        dict(threshold=0.0),
+    ],
+)
+def test_gate_policy_refuses_windows_outside_training_and_non_positive_factors(bad):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="must satisfy 0 <= start < end <= 1|greater than"):
+        GatePolicy(**bad)
+
+
+def test_gate_policy_accepts_the_whole_run_and_a_zero_floor():
+    policy = GatePolicy(window=(0.0, 1.0), align_window=(0.0, 0.5), floor=0.0)
+    assert policy.window == (0.0, 1.0) and policy.floor == 0.0
+
+
+# ---------------------------------------------------------------- early-align by hand
+
+
+def test_early_align_is_the_geometric_mean_ratio_and_its_scatter():
+    """Over the window, log(L - L0) - log ell_ref = log(L(T) - L0) + e with e = +0.01, -0.02,
+    +0.01: mean 0, so L(T) - L0 = 2; scatter = std(e, ddof 1) = sqrt(6e-4 / 2) = 0.017320508;
+    the band 2 exp(-+2 x 0.017320508) around it."""
+    from collapse.reference import early_align, early_align_matrix
+
+    ref_t, ref_ell = np.array([0.0, 0.25, 0.5, 1.0]), np.array([2.0, 1.2, 1.1, 1.0])
+    t = np.array([0.1, 0.25, 0.375, 0.5, 0.75])
+    e = np.array([0.3, 0.01, -0.02, 0.01, 0.3])  # the points outside the window are off
+    ell_at_t = np.array([1.68, 1.2, 1.15, 1.1, 1.05])  # ref_ell interpolated by hand
+    for offset in (0.0, 0.5):
+        loss = offset + 2.0 * ell_at_t * np.exp(e)
+        got = early_align(t, loss, ref_t, ref_ell, offset=offset)
+        assert got.final_loss == pytest.approx(offset + 2.0, rel=1e-12)
+        assert got.log_scatter == pytest.approx(0.017320508075689, rel=1e-9)
+        assert got.lower == pytest.approx(offset + 2.0 * np.exp(-0.034641016151378), rel=1e-9)
+        assert got.upper == pytest.approx(offset + 2.0 * np.exp(0.034641016151378), rel=1e-9)
+        assert got.n_points == 3 and got.window == (0.25, 0.5) and got.offset == offset
+        # the same on a grid, many rows: this run, one with a single point in the window
+        # (scatter 0) and one with none (NaN)
+        one = np.where(t == 0.375, loss, np.nan)
+        rows = np.vstack([loss, one, np.full(5, np.nan)])
+        final, scatter = early_align_matrix(t, rows, ell_at_t, offset=offset)
+        assert final[:2] == pytest.approx([offset + 2.0, offset + 2.0 * np.exp(-0.02)])
+        assert scatter[:2] == pytest.approx([0.017320508075689, 0.0], abs=1e-12)
+        assert np.isnan(final[2]) and np.isnan(scatter[2])
+    single = early_align(t[2:3], loss[2:3], ref_t, ref_ell, offset=0.5)
+    assert single.log_scatter == 0.0 and single.lower == single.upper == single.final_loss
+    with pytest.raises(ValueError, match="no finite point in the align window"):
+        early_align(t[:1], loss[:1], ref_t, ref_ell)
+    with pytest.raises(ValueError, match="loss - offset must be > 0"):
+        early_align(t, loss, ref_t, ref_ell, offset=3.0)
+    for window in ((0.5, 0.5), (-0.1, 0.5), (0.2, 1.1)):
+        with pytest.raises(ValueError, match="must satisfy 0 <= start < end <= 1"):
+            early_align(t, loss, ref_t, ref_ell, window=window)

@@ -302,3 +302,36 @@ def test_cli_with_a_surrogate_predicts_a_tau_never_run(tmp_path, capsys):
     pd.concat(rows).drop(columns=["tau"]).to_csv(curves, index=False)
     assert run_cli([*argv, "--reference", str(tmp_path / "surrogate.json")]) == 2
     assert "needs per-run columns tau and tpp" in capsys.readouterr().err
+
+
+def test_current_is_the_last_reading_with_its_scatter_about_a_line():
+    """y = 3 - 2 t + d (+1, -1, -1, +1): the pattern is orthogonal to 1 and to t, so the line
+    fitted over the window is 3 - 2 t and the RMS scatter about it is d = 0.01."""
+    t = np.array([0.01, 0.025, 0.05, 0.075, 0.1])  # window at 10 %: [0.02, 0.1]
+    y = np.array([9.0, 3 - 0.05 + 0.01, 3 - 0.1 - 0.01, 3 - 0.15 - 0.01, 3 - 0.2 + 0.01])
+    got = predict_final_loss(t, y, method="current")
+    assert (got.final_loss, got.lower, got.upper) == pytest.approx((2.81, 2.80, 2.82), rel=1e-12)
+    assert got.method == "current"
+
+
+def test_collapse_bounds_combine_the_misfit_and_the_reference_band():
+    """L - L0 is c = 2 times the reference, times exp(e) with e = +0.01, -0.02, +0.01, 0 over
+    the window: log c is their mean, 0. The band (the reference x 0.99 and x 1.01) moves c to
+    c / 0.99 and c / 1.01; the misfit is 2 x std(e, ddof 1) = 2 x sqrt(6e-4 / 3); the bounds
+    combine the two in quadrature, in log space."""
+    ref_t = np.linspace(0.0, 1.0, 101)
+    ref = 1.0 + 0.5 * (1 - ref_t) ** 2
+    t = np.array([0.05, 0.1, 0.2, 0.25, 0.3])  # window at 30 %: [0.06, 0.3]
+    e = np.array([0.5, 0.01, -0.02, 0.01, 0.0])  # t_hat 0.05 lies before it
+    loss = 1.0 + 2.0 * np.interp(t, ref_t, ref) * np.exp(e)
+    misfit = 2 * np.sqrt((0.01**2 + 0.02**2 + 0.01**2) / 3)
+    got = predict_final_loss(
+        t, loss, ref_t, ref, reference_lower=0.99 * ref, reference_upper=1.01 * ref, offset=1.0
+    )
+    assert got.final_loss == pytest.approx(3.0, rel=1e-12)
+    assert got.lower == pytest.approx(1.0 + 2.0 * np.exp(-np.hypot(np.log(1.01), misfit)))
+    assert got.upper == pytest.approx(1.0 + 2.0 * np.exp(np.hypot(-np.log(0.99), misfit)))
+    plain = predict_final_loss(t, loss, ref_t, ref, offset=1.0)
+    assert (plain.lower, plain.upper) == pytest.approx(
+        (1.0 + 2.0 * np.exp(-misfit), 1.0 + 2.0 * np.exp(misfit))
+    )
