@@ -740,3 +740,12 @@ def test_early_align_is_the_geometric_mean_ratio_and_its_scatter():
     for window in ((0.5, 0.5), (-0.1, 0.5), (0.2, 1.1)):
         with pytest.raises(ValueError, match="must satisfy 0 <= start < end <= 1"):
             early_align(t, loss, ref_t, ref_ell, window=window)
+
+
+def test_a_reference_curve_cannot_be_changed_in_place():
+    """Gates, plots and predictions share one reference: none of them may alter it."""
+    import dataclasses
+
+    reference = _reference()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reference.ell = reference.ell * 2

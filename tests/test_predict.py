@@ -335,3 +335,41 @@ def test_collapse_bounds_combine_the_misfit_and_the_reference_band():
     assert (plain.lower, plain.upper) == pytest.approx(
         (1.0 + 2.0 * np.exp(-misfit), 1.0 + 2.0 * np.exp(misfit))
     )
+
+
+def test_points_after_an_explicit_window_do_not_change_the_fit(reference):
+    """A window that ends before the partial curve does: what lies after it is not fitted."""
+    curve = 3.0 * eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(curve, 0.3)
+    bumped = np.where(t > 0.2 + 1e-9, y * 1.5, y)
+    ref_t, ref_ell = T_HAT, eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    for method in ("collapse", "powerlaw"):
+        base = predict_final_loss(t, y, ref_t, ref_ell, method=method, window=(0.06, 0.2))
+        got = predict_final_loss(t, bumped, ref_t, ref_ell, method=method, window=(0.06, 0.2))
+        assert got == base, method
+    exact = predict_final_loss(t, bumped, ref_t, ref_ell, window=(0.06, 0.2))
+    assert exact.final_loss == pytest.approx(3.0, rel=1e-9)
+
+
+def test_powerlaw_bounds_span_the_exponents_within_twice_the_best_error():
+    """The bounds are the smallest and largest a + b of the exponents c whose summed squared
+    residuals stay within POWERLAW_SSE_TOLERANCE (2) x the best; the estimate is the best c's."""
+    from collapse.predict import POWERLAW_EXPONENTS, _powerlaw_fit, predict_powerlaw
+
+    rng = np.random.default_rng(2)
+    t = np.linspace(0.06, 0.3, 60)
+    y = 2.0 + 0.3 * t**-0.5 + 0.002 * rng.standard_normal(60)
+    fits = np.array([_powerlaw_fit(t, y, c, 0.0) for c in POWERLAW_EXPONENTS])
+    sse, final = fits[:, 0], fits[:, 1]
+    within = final[sse <= 2.0 * sse.min()]
+    assert 1 < len(within) < len(final) // 2  # some exponents, far from all
+    got = predict_powerlaw(t, y)
+    assert got.final_loss == final[np.argmin(sse)]
+    assert (got.lower, got.upper) == (within.min(), within.max())
+    assert got.lower < got.final_loss < got.upper
+    # the sum of squares by hand for the best exponent: y - (a + b t^-c), a + b = the estimate
+    c = POWERLAW_EXPONENTS[np.argmin(sse)]
+    design = np.column_stack([np.ones_like(t), t**-c])
+    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    assert a + b == pytest.approx(got.final_loss, rel=1e-9)
+    assert np.sum((design @ [a, b] - y) ** 2) == pytest.approx(sse.min(), rel=1e-6)
