@@ -230,3 +230,27 @@ def test_gate_run_on_an_analysis_reproduces_its_verdict(small_csv, tmp_path):
         A.gate_run(small_csv, tmp_path / "nothing", None, GatePolicy(), tmp_path / "n.json", None)
     with pytest.raises(ValueError, match="holds 6 runs; name the one to gate"):
         A.gate_run(small_csv, out, None, GatePolicy(), tmp_path / "n.json", None)
+
+
+def test_the_printed_summary_states_the_verdicts(small_csv, tmp_path, capsys):
+    """What the command prints is what collapse.json holds: runs, sizes, score, supercollapse
+    (no, or undetermined with its reason) and the gate counts."""
+    out = tmp_path / "out"
+    assert main(["analyze", str(small_csv), "--out", str(out), "--plots", "none"]) == 0
+    summary = json.loads((out / "collapse.json").read_text())
+    assert summary["supercollapse"] is False  # s4_s1 leaves the curve: Delta passes sigma
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        "6 complete runs, sizes ['s1', 's2', 's4'], reference ['s1', 's2']",
+        f"collapse score (mean Delta, t_hat >= 0.2): {summary['score']:.4f}; supercollapse: no",
+        f"gates: 5 passed, 1 failed, 0 undetermined (threshold {summary['threshold']:.4f})",
+    ]
+    assert lines[3] == f"  FAIL {summary['gates']['s4_s1']['message']}"
+    assert lines[4] == f"wrote {out / 'collapse.json'}"
+
+    one_size = tmp_path / "one.csv"
+    pd.read_csv(small_csv).query("size == 's1'").to_csv(one_size, index=False)
+    args = ["analyze", str(one_size), "--out", str(tmp_path / "one"), "--plots", "none"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "supercollapse: undetermined (one size (s1): Delta over one size" in printed

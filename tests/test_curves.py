@@ -289,3 +289,17 @@ def test_smoothing_window_must_be_a_positive_count():
     assert one.data["loss_smooth"].to_numpy() == pytest.approx(one.data["loss"], rel=1e-12)
     # 6 sequences at 4 per step: ceil(1.5) = 2 steps
     assert C.smooth(curves, window_seqs=6).meta["window_steps"].tolist() == [2]
+
+
+def test_normalize_pairs_one_final_loss_with_each_run():
+    """(L - L0) / (L(T) - L0): a row per run against its own L(T); one value per run likewise."""
+    loss = np.array([[3.0, 2.5], [5.0, 4.0]])
+    assert C.normalize(loss, np.array([2.0, 4.0])) == pytest.approx(
+        np.array([[1.5, 1.25], [1.25, 1.0]])
+    )
+    assert C.normalize(np.array([3.0, 5.0]), np.array([2.0, 4.0])) == pytest.approx([1.5, 1.25])
+    # L0 = 1: (3 - 1) / (2 - 1), (5 - 1) / (4 - 1)
+    assert C.normalize(np.array([3.0, 5.0]), np.array([2.0, 4.0]), 1.0) == pytest.approx(
+        [2.0, 4 / 3]
+    )
+    assert C.normalize(loss, 2.0) == pytest.approx(np.array([[1.5, 1.25], [2.5, 2.0]]))

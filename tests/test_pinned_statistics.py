@@ -411,6 +411,7 @@ def test_collapse_plot_draws_the_curves_delta_and_sigma(drawn, tmp_path):
     (late,) = bottom.patches
     assert _span(late) == _approx(stats.late_window) and late.get_label() == "late window"
     assert bottom.get_yscale() == "log" and bottom.get_xlim() == (0.0, 1.0)
+    assert top.get_xlim() == (0.0, 1.0)  # the panels share their t_hat axis
 
 
 def test_collapse_plot_leaves_incomplete_runs_out(drawn, tmp_path):
@@ -533,7 +534,7 @@ def test_gate_plot_draws_the_run_its_residual_and_the_crossing(drawn, tmp_path):
     (window,) = bottom.patches
     assert _span(window) == _approx((0.2, 1.0))
     assert bottom.get_ylim() == _approx((-1.3 * 0.0205, 1.3 * 0.0205))
-    assert bottom.get_xlim() == (0.0, 1.0)
+    assert bottom.get_xlim() == top.get_xlim() == (0.0, 1.0)  # one shared t_hat axis
 
 
 def test_gate_plot_of_a_passed_run_is_blue_and_scaled_to_the_threshold(drawn, tmp_path):
@@ -733,8 +734,12 @@ def test_early_align_is_the_geometric_mean_ratio_and_its_scatter():
         assert np.isnan(final[2]) and np.isnan(scatter[2])
     single = early_align(t[2:3], loss[2:3], ref_t, ref_ell, offset=0.5)
     assert single.log_scatter == 0.0 and single.lower == single.upper == single.final_loss
-    with pytest.raises(ValueError, match="no finite point in the align window"):
+    with pytest.raises(
+        ValueError, match=r"no finite point .* \(it has 1 points, up to t_hat 0.1\)"
+    ):
         early_align(t[:1], loss[:1], ref_t, ref_ell)
+    with pytest.raises(ValueError, match=r"\(it has 0 points, up to t_hat 0\)"):
+        early_align(t[:0], loss[:0], ref_t, ref_ell)
     with pytest.raises(ValueError, match="loss - offset must be > 0"):
         early_align(t, loss, ref_t, ref_ell, offset=3.0)
     for window in ((0.5, 0.5), (-0.1, 0.5), (0.2, 1.1)):

@@ -61,6 +61,8 @@ def test_alignment_window_is_the_partial_span_after_its_first_fifth():
     assert alignment_window(0.3) == pytest.approx((0.06, 0.3))
     assert alignment_window(0.1) == pytest.approx((0.02, 0.1))
     assert alignment_window(0.05) == pytest.approx((0.02, 0.05))  # floor: skip the first steps
+    # below 4 % the floor would leave less than half the curve: its second half instead
+    assert alignment_window(0.03) == pytest.approx((0.015, 0.03))
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             alignment_window(bad)
