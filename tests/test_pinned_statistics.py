@@ -14,6 +14,8 @@ gate window [0.2, 1] -> every point.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -365,6 +367,10 @@ def _ys(line) -> list[float]:
     return np.asarray(line.get_ydata(), dtype=float).tolist()
 
 
+def _legend_font(ax) -> float:
+    return ax.get_legend().get_texts()[0].get_fontsize()
+
+
 def _style(line) -> tuple:
     return line.get_color(), line.get_linestyle(), line.get_linewidth()
 
@@ -456,6 +462,7 @@ def test_residuals_plot_draws_every_residual_and_the_threshold(drawn, tmp_path):
     # the largest |r| in the window is 0.0205 at t_hat 0.8, the window's last point
     assert ax.get_ylim() == _approx((-1.2 * 0.0205, 1.2 * 0.0205))
     assert ax.get_xlim() == (0.0, 1.0)
+    assert drawn[0].get_size_inches().tolist() == [8.0, 4.5] and _legend_font(ax) == 8.0
 
 
 def test_residuals_plot_limits_are_the_threshold_when_every_run_is_inside(drawn, tmp_path):
@@ -515,7 +522,9 @@ def test_gate_plot_draws_the_run_its_residual_and_the_crossing(drawn, tmp_path):
     assert ref.get_xydata() == _approx(np.column_stack([GRID, [1.5, 1.2, 1.1, 1.05, 1.0]]))
     assert run.get_xydata() == _approx(np.column_stack([GRID, [1.5, 1.2, 1.1, 1.0705, 1.0]]))
     assert _style(ref) == ("k", "-", 1.5) and _style(run) == ("C3", "-", 1.2)
-    assert run.get_label() == "outside (early-aligned)"
+    assert ref.get_label() == "reference (s1, s2)" and run.get_label() == "outside (early-aligned)"
+    assert drawn[0].get_size_inches().tolist() == [7.5, 6.5]
+    assert [_legend_font(ax) for ax in (top, bottom)] == [8.0, 8.0]
     (band,) = top.collections
     assert band.get_paths()[0].vertices[:, 1].max() == _approx(reference.upper.max())
     (align,) = top.patches
@@ -551,6 +560,9 @@ def test_gate_plot_of_a_passed_run_is_blue_and_scaled_to_the_threshold(drawn, tm
     # at 0.2 before it
     assert top.get_ylim() == _approx((0.98 * 1.0, 1.02 * 1.2))
     assert top.get_title() == "inside: gate PASS"
+    unnamed = dataclasses.replace(reference, sizes=[])
+    plot_gate(tmp_path / "unnamed.png", inside, GRID, residual[0] + reference.ell, unnamed)
+    assert drawn[1].axes[0].lines[0].get_label() == "reference"
     assert len(bottom.lines) == 3  # r and +-threshold: no crossing to mark
     # |r| at most 0.0195, below the threshold 0.02: the limits follow the threshold
     assert bottom.get_ylim() == _approx((-1.3 * 0.02, 1.3 * 0.02))
@@ -749,8 +761,16 @@ def test_early_align_is_the_geometric_mean_ratio_and_its_scatter():
 
 def test_a_reference_curve_cannot_be_changed_in_place():
     """Gates, plots and predictions share one reference: none of them may alter it."""
-    import dataclasses
-
     reference = _reference()
     with pytest.raises(dataclasses.FrozenInstanceError):
         reference.ell = reference.ell * 2
+
+
+def test_reference_csv_is_written_into_new_folders(tmp_path):
+    """reference.csv creates its folder, and reads back to 8 significant digits."""
+    from collapse.reference import ReferenceCurve
+
+    path = _reference().write_csv(tmp_path / "family" / "reference" / "reference.csv")
+    back = ReferenceCurve.read_csv(path)
+    assert back.ell == _approx([1.5, 1.2, 1.1, 1.05, 1.0])
+    assert back.seed_std == pytest.approx([0, 0, 0.0035355339, 0.005, 0], rel=1e-8, abs=1e-12)
