@@ -57,6 +57,7 @@ MODULE_TESTS = {
         "tests/test_pinned_statistics.py",
         "tests/test_gates.py",
         "tests/test_bad_curves.py",
+        "tests/test_analyze_cli.py",
     ],
     "gates": ["tests/test_gates.py", "tests/test_pinned_statistics.py"],
     "reference": [
@@ -64,7 +65,7 @@ MODULE_TESTS = {
         "tests/test_gates.py",
         "tests/test_pinned_statistics.py",
     ],
-    "surrogate": ["tests/test_reference.py", "tests/test_predict.py"],
+    "surrogate": ["tests/test_surrogate.py", "tests/test_reference.py", "tests/test_predict.py"],
     "predict": ["tests/test_predict.py", "tests/test_predict_drift.py"],
     "scaling": ["tests/test_scaling.py", "tests/test_flops.py"],
     "flops": ["tests/test_flops.py"],

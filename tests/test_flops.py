@@ -12,6 +12,7 @@ from collapse.scaling import param_count
 
 def test_flops_6nd():
     assert flops_6nd(1000, 20_000) == 120_000_000.0
+    assert flops_6nd(1, 1) == 6.0  # the smallest counts allowed
     with pytest.raises(ValueError, match="params"):
         flops_6nd(0, 10)
     with pytest.raises(ValueError, match="tokens"):

@@ -61,6 +61,8 @@ def test_alignment_window_is_the_partial_span_after_its_first_fifth():
     assert alignment_window(0.3) == pytest.approx((0.06, 0.3))
     assert alignment_window(0.1) == pytest.approx((0.02, 0.1))
     assert alignment_window(0.05) == pytest.approx((0.02, 0.05))  # floor: skip the first steps
+    # below 4 % the floor would leave less than half the curve: its second half instead
+    assert alignment_window(0.03) == pytest.approx((0.015, 0.03))
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             alignment_window(bad)
@@ -302,3 +304,74 @@ def test_cli_with_a_surrogate_predicts_a_tau_never_run(tmp_path, capsys):
     pd.concat(rows).drop(columns=["tau"]).to_csv(curves, index=False)
     assert run_cli([*argv, "--reference", str(tmp_path / "surrogate.json")]) == 2
     assert "needs per-run columns tau and tpp" in capsys.readouterr().err
+
+
+def test_current_is_the_last_reading_with_its_scatter_about_a_line():
+    """y = 3 - 2 t + d (+1, -1, -1, +1): the pattern is orthogonal to 1 and to t, so the line
+    fitted over the window is 3 - 2 t and the RMS scatter about it is d = 0.01."""
+    t = np.array([0.01, 0.025, 0.05, 0.075, 0.1])  # window at 10 %: [0.02, 0.1]
+    y = np.array([9.0, 3 - 0.05 + 0.01, 3 - 0.1 - 0.01, 3 - 0.15 - 0.01, 3 - 0.2 + 0.01])
+    got = predict_final_loss(t, y, method="current")
+    assert (got.final_loss, got.lower, got.upper) == pytest.approx((2.81, 2.80, 2.82), rel=1e-12)
+    assert got.method == "current"
+
+
+def test_collapse_bounds_combine_the_misfit_and_the_reference_band():
+    """L - L0 is c = 2 times the reference, times exp(e) with e = +0.01, -0.02, +0.01, 0 over
+    the window: log c is their mean, 0. The band (the reference x 0.99 and x 1.01) moves c to
+    c / 0.99 and c / 1.01; the misfit is 2 x std(e, ddof 1) = 2 x sqrt(6e-4 / 3); the bounds
+    combine the two in quadrature, in log space."""
+    ref_t = np.linspace(0.0, 1.0, 101)
+    ref = 1.0 + 0.5 * (1 - ref_t) ** 2
+    t = np.array([0.05, 0.1, 0.2, 0.25, 0.3])  # window at 30 %: [0.06, 0.3]
+    e = np.array([0.5, 0.01, -0.02, 0.01, 0.0])  # t_hat 0.05 lies before it
+    loss = 1.0 + 2.0 * np.interp(t, ref_t, ref) * np.exp(e)
+    misfit = 2 * np.sqrt((0.01**2 + 0.02**2 + 0.01**2) / 3)
+    got = predict_final_loss(
+        t, loss, ref_t, ref, reference_lower=0.99 * ref, reference_upper=1.01 * ref, offset=1.0
+    )
+    assert got.final_loss == pytest.approx(3.0, rel=1e-12)
+    assert got.lower == pytest.approx(1.0 + 2.0 * np.exp(-np.hypot(np.log(1.01), misfit)))
+    assert got.upper == pytest.approx(1.0 + 2.0 * np.exp(np.hypot(-np.log(0.99), misfit)))
+    plain = predict_final_loss(t, loss, ref_t, ref, offset=1.0)
+    assert (plain.lower, plain.upper) == pytest.approx(
+        (1.0 + 2.0 * np.exp(-misfit), 1.0 + 2.0 * np.exp(misfit))
+    )
+
+
+def test_points_after_an_explicit_window_do_not_change_the_fit(reference):
+    """A window that ends before the partial curve does: what lies after it is not fitted."""
+    curve = 3.0 * eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    t, y = cut(curve, 0.3)
+    bumped = np.where(t > 0.2 + 1e-9, y * 1.5, y)
+    ref_t, ref_ell = T_HAT, eq4_ell(T_HAT, SHAPE_B, SHAPE_Q)
+    for method in ("collapse", "powerlaw"):
+        base = predict_final_loss(t, y, ref_t, ref_ell, method=method, window=(0.06, 0.2))
+        got = predict_final_loss(t, bumped, ref_t, ref_ell, method=method, window=(0.06, 0.2))
+        assert got == base, method
+    exact = predict_final_loss(t, bumped, ref_t, ref_ell, window=(0.06, 0.2))
+    assert exact.final_loss == pytest.approx(3.0, rel=1e-9)
+
+
+def test_powerlaw_bounds_span_the_exponents_within_twice_the_best_error():
+    """The bounds are the smallest and largest a + b of the exponents c whose summed squared
+    residuals stay within POWERLAW_SSE_TOLERANCE (2) x the best; the estimate is the best c's."""
+    from collapse.predict import POWERLAW_EXPONENTS, _powerlaw_fit, predict_powerlaw
+
+    rng = np.random.default_rng(2)
+    t = np.linspace(0.06, 0.3, 60)
+    y = 2.0 + 0.3 * t**-0.5 + 0.002 * rng.standard_normal(60)
+    fits = np.array([_powerlaw_fit(t, y, c, 0.0) for c in POWERLAW_EXPONENTS])
+    sse, final = fits[:, 0], fits[:, 1]
+    within = final[sse <= 2.0 * sse.min()]
+    assert 1 < len(within) < len(final) // 2  # some exponents, far from all
+    got = predict_powerlaw(t, y)
+    assert got.final_loss == final[np.argmin(sse)]
+    assert (got.lower, got.upper) == (within.min(), within.max())
+    assert got.lower < got.final_loss < got.upper
+    # the sum of squares by hand for the best exponent: y - (a + b t^-c), a + b = the estimate
+    c = POWERLAW_EXPONENTS[np.argmin(sse)]
+    design = np.column_stack([np.ones_like(t), t**-c])
+    (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
+    assert a + b == pytest.approx(got.final_loss, rel=1e-9)
+    assert np.sum((design @ [a, b] - y) ** 2) == pytest.approx(sse.min(), rel=1e-6)

@@ -227,3 +227,28 @@ def test_bias_does_not_grow_with_size_over_noise_draws():
             assert abs(mean) < 2 * se, (mean, se, values)
         else:
             assert mean < -10 * se, (mean, se, values)
+
+
+def test_bias_slope_with_the_fit_error_of_the_drift_method_by_hand():
+    """bias = 1 + 0.5 x + 0.1 (+1, -1, -1, +1) at x = 0..3: the pattern is orthogonal to 1 and
+    x, so the slope is 0.5 and se = sqrt(4 x 0.01 / 2 / 5) (S_xx = 5) = 0.0632456. The drift
+    method's fit error 0.05 adds in quadrature: t_with_fit = 0.5 / sqrt(0.004 + 0.0025); the
+    other methods share no fit, so theirs is slope / se."""
+    x = np.arange(4.0)
+    bias = 1 + 0.5 * x + 0.1 * np.array([1, -1, -1, 1])
+    by_size = pd.concat(
+        [
+            pd.DataFrame({"method": m, "fraction": 0.2, "x": x, "bias_pct": bias})
+            for m in ("collapse", "drift")
+        ]
+    )
+    got = bias_slope(by_size, pd.Series({0.2: 0.05})).set_index("method")
+    assert got["slope_pct_per_unit_x"].tolist() == pytest.approx([0.5, 0.5], rel=1e-12)
+    assert got["slope_se"].tolist() == pytest.approx([0.063245553203368] * 2, rel=1e-9)
+    assert got.loc["drift", "slope_se_fit"] == 0.05
+    assert np.isnan(got.loc["collapse", "slope_se_fit"])
+    assert got.loc["drift", "t_with_fit"] == pytest.approx(0.5 / np.sqrt(0.0065), rel=1e-9)
+    assert got.loc["collapse", "t_with_fit"] == pytest.approx(0.5 / 0.063245553203368, rel=1e-9)
+    # two sizes are too few for a slope with an error
+    few = bias_slope(by_size[by_size["x"] < 2]).iloc[0]
+    assert np.isnan(few["slope_pct_per_unit_x"]) and np.isnan(few["t"])

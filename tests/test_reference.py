@@ -201,3 +201,15 @@ def test_eq4_broadcasts_one_curve_per_row():
     for i in range(2):
         want = _eq4_from_the_paper(T_CHECK, b[i, 0], q[i, 0])
         assert got[i] == pytest.approx(want, rel=1e-12)
+
+
+def test_partial_reference_runs_are_named_five_at_most():
+    df = pd.concat(
+        [
+            pd.DataFrame({"run": f"p{i}", "step": np.arange(1, 51), "loss": 3.0, "steps": 100})
+            for i in range(7)
+        ]
+    )
+    matrix = C.resample(C.smooth(C.curves_from_frame(df)))
+    with pytest.raises(ValueError, match=r"not: \['p0', 'p1', 'p2', 'p3', 'p4'\]; finish"):
+        reference_curve(matrix)

@@ -274,6 +274,7 @@ def test_lr_at_by_hand():
     assert lrs[:4] == [0.0, 1 / 3, 2 / 3, 1.0]
     assert lrs[4] == pytest.approx(6 / 7)  # 1 - (4 - 3) / (10 - 3)
     assert lrs[10] == 0.0
+    assert lr_at(12, peak=1.0, warmup_steps=3, total_steps=10) == 0.0  # past the end: 0
     assert lr_at(0, peak=2.0, warmup_steps=0, total_steps=4) == 2.0
     with pytest.raises(ValueError, match="warmup_steps"):
         lr_at(0, peak=1.0, warmup_steps=10, total_steps=10)
