@@ -20,5 +20,8 @@ try:
     dist.all_reduce(torch.ones(4))
 except RuntimeError as err:
     assert is_collective_timeout(err), err
-    print(f"report: {roll_call.report(err)}", flush=True)
+    # one write of the whole line: unbuffered (PYTHONUNBUFFERED), print writes the text and its
+    # newline apart, and two ranks' lines can interleave on the shared pipe
+    sys.stdout.write(f"report: {roll_call.report(err)}\n")
+    sys.stdout.flush()
     os._exit(EXIT_COLLECTIVE_TIMEOUT)

@@ -190,7 +190,13 @@ def test_compressed_jsonl_and_parquet_are_cut_and_change_no_token(built, tmp_pat
     gz_lines = [w for p in pieces if p.path.endswith("b.jsonl.gz")
                 for _, w in shards.read_documents([p], small)]  # fmt: skip
     assert gz_lines == [f"{cfg.files[0][:-1]}b.jsonl.gz:{i}" for i in range(1, 61)]
-    meta = shards.run_step(small, tmp_path / "small", "all")
+    # the build at 10,000 bytes (still cutting all three files), to keep the test short
+    coarser = cfg.model_copy(update={"shard_bytes": 10_000})
+    assert all(
+        len([p for s in shards.plan_shards(coarser) for p in s if p.path.endswith(name)]) > 1
+        for name in ("b.jsonl.gz", "c.jsonl.zst", "d.parquet")
+    )
+    meta = shards.run_step(coarser, tmp_path / "small", "all")
     assert meta.shards > len(shards.plan_shards(cfg))
     for name in (TRAIN_PREFIX_NAME, VALID_PREFIX_NAME):
         for ext in (".bin", ".idx"):

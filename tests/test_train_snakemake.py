@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from workflow_cli import run_snakemake
 
-pytestmark = [pytest.mark.slow, pytest.mark.ci]
+# slow only (67 s): CI trains every size through Snakemake in tests/test_e2e.py
+pytestmark = pytest.mark.slow
 CONFIG = ("--config", "family=experiments/tiny_tpp5")
 
 
