@@ -31,6 +31,7 @@ from slurm.cluster import (
     squeue_state,
     start_cluster,
     start_in_background,
+    training_pids,
     wait_until,
 )
 
@@ -308,22 +309,7 @@ DP2_ACROSS = dict(nodes=2, procs=2)  # one rank per node
 
 def rank_pids(node: str) -> list[int]:
     """Training ranks (torchrun's workers, which have RANK set) that run on Slurm node ``node``."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"collapse.train" not in cmdline or b"torch.distributed.run" in b" ".join(cmdline):
-            continue
-        if f"SLURMD_NODENAME={node}".encode() in environ and any(
-            e.startswith(b"RANK=") for e in environ
-        ):
-            pids.append(int(proc.name))
-    return pids
+    return training_pids(f"SLURMD_NODENAME={node}", ranks_only=True)
 
 
 def test_a_rank_killed_on_one_node_fails_the_job_and_the_retry_resumes(cluster, tmp_path):

@@ -37,6 +37,7 @@ from slurm.cluster import (
     squeue_state,
     start_cluster,
     start_in_background,
+    training_pids,
     wait_until,
 )
 from workflow_cli import snakemake_cmd
@@ -113,25 +114,6 @@ def running_segment_job(segment: int) -> str | None:
     return None
 
 
-def training_pids(job_id: str) -> list[int]:
-    """The training processes (``python -m collapse.train``, not torchrun) of Slurm job
-    ``job_id`` on this machine."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        launcher = b"torch.distributed.run" in argv or argv[0].endswith(b"torchrun")
-        of_job = f"SLURM_JOB_ID={job_id}".encode() in environ
-        if b"collapse.train" in argv and of_job and not launcher:
-            pids.append(int(proc.name))
-    return pids
-
-
 def steps_logged(log: Path) -> int:
     """The last step a training log shows (0: none yet)."""
     if not log.is_file():
@@ -175,7 +157,7 @@ def test_a_run_longer_than_the_partition_limit_trains_in_segments(cluster, tmp_p
 
         def segment_2_process():
             job = running_segment_job(2)
-            pids = training_pids(job) if job else []
+            pids = training_pids(f"SLURM_JOB_ID={job}") if job else []
             return (job, pids) if pids else None
 
         job, pids = wait_until(segment_2_process, 900, f"segment 2 of {RUN} to start", 0.2)

@@ -103,6 +103,27 @@ def jobs_of_rule(rule: str, states: str = "all") -> list[str]:
     return sorted(ids, key=int)
 
 
+def training_pids(env_entry: str, *, ranks_only: bool = False) -> list[int]:
+    """The training processes (``collapse.train``, not their torchrun launcher) on this machine
+    whose environment holds ``env_entry`` (``SLURM_JOB_ID=...``, ``SLURMD_NODENAME=...``);
+    ``ranks_only``: torchrun's workers only (RANK set)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        launcher = b"torch.distributed.run" in argv or any(a.endswith(b"torchrun") for a in argv)
+        if b"collapse.train" not in argv or launcher or env_entry.encode() not in environ:
+            continue
+        if not ranks_only or any(e.startswith(b"RANK=") for e in environ):
+            pids.append(int(proc.name))
+    return pids
+
+
 def start_in_background(args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
     """A Snakemake call left running while the test acts on its jobs (cancel, requeue, kill);
     its output, stderr included, is read with ``communicate``."""
