@@ -199,9 +199,10 @@ def recorded_plan(cfg: ShardsDataConfig, out_dir: Path) -> list[list[Piece]]:
     written by its first step), so that an input that disappears, appears or changes size
     mid-build stops the job, naming the file, instead of shifting which shard is which."""
     shards = plan_shards(cfg)
+    files = dict.fromkeys(piece.path for shard in shards for piece in shard)  # in file order
     record = {
         "config_fingerprint": cfg.fingerprint(),
-        "files": {str(p): p.stat().st_size for p in input_files(cfg)},
+        "files": {path: os.path.getsize(path) for path in files},
     }
     path = Path(out_dir) / SHARDS_DIR / PLAN_NAME
     if path.is_file():
