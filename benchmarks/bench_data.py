@@ -9,6 +9,10 @@ shard steps) against the tokenizer's own ``encode_batch`` on the same text, one 
     python benchmarks/bench_data.py --sizes-gb 0.02 0.1 0.4 --shard-mb 32
     python benchmarks/bench_data.py --sizes-gb 0.2 --shard-mb 25 --jobs 1 2   # scaling
 
+With --read-rates, the first size's first file is compressed with gzip and zstd and read through
+to its end as a piece of a cut compressed file reads up to its start (``shards._skip_to``):
+MB/s of text, against the pipeline's MB/s per core.
+
 With --jobs, the shard steps of the first size run again, N at a time as parallel workflow
 jobs would, and the wall-clock MB/s of each N is printed with its speedup over the first.
 
@@ -159,6 +163,31 @@ def shard_scaling(config: Path, out: Path, total: int, jobs: list[int]) -> list[
     return rows
 
 
+def compressed_read_rates(files: list[Path], work: Path) -> dict[str, float]:
+    """MB/s of text at which a piece of a cut .jsonl.gz / .jsonl.zst skips to its start."""
+    import gzip
+
+    import zstandard
+
+    from collapse import shards
+
+    text = files[0].read_bytes()
+    rates = {}
+    for name, compress in (
+        ("gzip", lambda b: gzip.compress(b, 6)),
+        ("zstd", lambda b: zstandard.ZstdCompressor(level=3).compress(b)),
+    ):
+        path = work / f"read-rate.jsonl.{'gz' if name == 'gzip' else 'zst'}"
+        path.write_bytes(compress(text))
+        piece = shards.Piece(str(path), len(text) + 1, -1, "text")  # past the end: reads it all
+        with shards._open_binary(path) as handle:
+            start = time.perf_counter()
+            shards._skip_to(handle, piece)
+            rates[name] = len(text) / (time.perf_counter() - start) / 1e6
+        path.unlink()
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.2, 1.0, 4.0])
@@ -166,6 +195,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
     parser.add_argument("--jobs", type=int, nargs="+", help="shard jobs at a time, to compare")
+    parser.add_argument(
+        "--read-rates", action="store_true", help="reading through compressed streams, MB/s"
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench_data-"))
     results = [bench(size, work, args.shard_mb, args.vocab) for size in args.sizes_gb]
@@ -185,6 +217,12 @@ def main() -> None:
         f"tokenizer encode_batch (1 thread): {baseline / 1e6:.2f} MB/s/core; pipeline encoder: "
         f"{results[0]['encoder']}; peak RSS growth {growth:.2f}x (target <= 1.2x)"
     )
+    if args.read_rates:
+        rates = compressed_read_rates(first["files"], work)
+        print(
+            f"reading through a compressed stream ({first['files'][0].stat().st_size / 1e6:.0f} MB "
+            f"of text): gzip {rates['gzip']:.0f} MB/s, zstd {rates['zstd']:.0f} MB/s"
+        )
     if args.jobs:
         size = args.sizes_gb[0]
         config, out = work / f"data-{size:g}.json", work / f"out-{size:g}"
