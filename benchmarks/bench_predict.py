@@ -128,6 +128,13 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _slope_verdict(t: float) -> str:
+    """|t| <= 2: no significant growth of the bias with size; NaN: one predicted size only."""
+    if np.isnan(t):
+        return "n/a (one predicted size)"
+    return "ok" if abs(t) <= 2 else "GROWS WITH SIZE"
+
+
 def verdict(results: pd.DataFrame) -> str:
     """Per family and fraction: is drift's MAE at most the best baseline's, its slope |t| <= 2?"""
     lines = []
@@ -135,8 +142,7 @@ def verdict(results: pd.DataFrame) -> str:
         by = group.set_index("method")
         ours, best = by.loc["drift"], by.loc[["current", "powerlaw"], "mae_pct"].min()
         error_ok = "ok" if ours["mae_pct"] <= best else "WORSE"
-        slope_ok = "ok" if abs(ours["slope_t"]) <= 2 else "GROWS WITH SIZE"
-        fit_ok = "ok" if abs(ours["slope_t_fit"]) <= 2 else "GROWS WITH SIZE"
+        slope_ok, fit_ok = (_slope_verdict(ours[column]) for column in ("slope_t", "slope_t_fit"))
         lines.append(
             f"{family} {trained:>2d} %: drift MAE {ours['mae_pct']:.3f} vs best baseline "
             f"{best:.3f} -> {error_ok}; bias slope t {ours['slope_t']:+.1f} -> {slope_ok}, "
