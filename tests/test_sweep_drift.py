@@ -153,32 +153,42 @@ def test_without_two_other_sizes_the_sweep_keeps_the_paper_method_and_says_why(t
     assert "1 size(s)" in drift["note"] and "paper's method only" in drift["note"]
 
 
-def test_the_moved_shape_is_the_reference_raised_to_the_exponent_ratio(tmp_path):
-    """ell_tau(x) = ell_tau(x_r) ** (a(x) / a(x_r)), by hand from the fit's own numbers; the
-    drift stops at the largest fitted size, and inside the fitted sizes both shapes agree."""
+def test_the_moved_shape_takes_the_measured_ratio_and_continues_by_the_exponent(tmp_path):
+    """By hand from the fit's own numbers: inside the fitted sizes log ell_tau(x) =
+    log ell_tau(x_r) * D(x) / D(x_r), D the fitted sizes' mean log ell interpolated linearly in
+    log parameters at every t_hat; beyond them the drift stops at the largest fitted size or
+    continues by the exponent, ell_stop ** (a(x) / a(x_stop))."""
     write_sweep_inputs(tmp_path)
     curves = smooth(read_curves(tmp_path / "curves.csv", tmp_path / "runs.csv"))
     fit, _ = fit_sweep_drift(curves, ["s96-s0", "s96-s1", "s96-s2", "s160-s0"])
     ref = "sweepref-tau-s96-tau0.1-s0"
-    ell_ref = resample(curves.select([ref])).normalized(fit.offset)[0]
-    ok = np.isfinite(ell_ref) & (ell_ref > 0)
+    log_ref = np.log(resample(curves.select([ref])).normalized(fit.offset)[0])
+    d96, d160 = fit.size_shapes  # in the fit's size order: s96, then s160
+    assert fit.sizes == ["s96", "s160"]
+    ok = np.isfinite(log_ref) & np.isfinite(d96) & np.isfinite(d160) & (np.abs(d96) > 1e-3)
 
     def a(x: float) -> float:
         return 1 + fit.slope * (x - fit.x_ref)
 
-    x_r, x_big = np.log(PARAMS["s96"]), np.log(4 * PARAMS["s160"])
-    assert stop_point(fit, x_big) == pytest.approx(np.log(PARAMS["s160"]))
+    x_r, x_160 = np.log(PARAMS["s96"]), np.log(PARAMS["s160"])
+    x = np.log(PARAMS["s128"])
+    weight = (x - x_r) / (x_160 - x_r)  # s128 lies between the fitted sizes
+    assert 0 < weight < 1
+    inside = transfer(fit, curves, ref, x_r, stop_point(fit, x))
+    with np.errstate(invalid="ignore"):  # 0 / 0 at t_hat 1, left out by ok
+        by_hand = log_ref * ((1 - weight) * d96 + weight * d160) / d96  # D(x_r) = d96
+        stopped = log_ref * d160 / d96
+    assert np.log(inside.ell(x))[ok] == pytest.approx(by_hand[ok], rel=1e-9, abs=1e-12)
+    assert inside.ell(x)[ok] == pytest.approx(inside.ell(x, exponent_drift=False)[ok], rel=1e-12)
+
+    x_big = np.log(4 * PARAMS["s160"])
+    assert stop_point(fit, x_big) == pytest.approx(x_160)
     moved = transfer(fit, curves, ref, x_r, stop_point(fit, x_big))
     assert moved.offset == fit.offset
-    assert moved.ell(x_big)[ok] == pytest.approx(ell_ref[ok] ** (a(x_big) / a(x_r)), rel=1e-9)
-    stopped = a(np.log(PARAMS["s160"])) / a(x_r)
-    assert moved.ell(x_big, exponent_drift=False)[ok] == pytest.approx(ell_ref[ok] ** stopped)
+    assert np.log(moved.ell(x_big, exponent_drift=False))[ok] == pytest.approx(stopped[ok])
+    continued = stopped * a(x_big) / a(x_160)
+    assert np.log(moved.ell(x_big))[ok] == pytest.approx(continued[ok], rel=1e-9)
     assert len(moved.replicas) == len(fit.replicas) == 3  # one per s96 seed left out
-
-    x = np.log(PARAMS["s128"])
-    inside = transfer(fit, curves, ref, x_r, stop_point(fit, x))
-    assert inside.ell(x)[ok] == pytest.approx(inside.ell(x, exponent_drift=False)[ok], rel=1e-12)
-    assert inside.ell(x)[ok] == pytest.approx(ell_ref[ok] ** (a(x) / a(x_r)), rel=1e-9)
 
 
 def test_tiny_sweep_fits_its_drift_on_d96_and_d160():

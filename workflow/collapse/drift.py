@@ -78,6 +78,7 @@ class DriftFit:
     spread_with_offset: float = float("nan")
     notes: list[str] = field(default_factory=list)
     replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
+    size_shapes: np.ndarray | None = None  # log ell of each reference size's mean, on t_hat
 
     @property
     def offset_se(self) -> float:
@@ -95,6 +96,18 @@ class DriftFit:
     def ell(self, x: float, exponent_drift: bool = True) -> np.ndarray:
         """Normalized shape assumed for a size at x (offset L0 subtracted)."""
         return np.exp((self.exponent(x) if exponent_drift else 1.0) * self.shape)
+
+    def measured_shape(self, x: float) -> np.ndarray:
+        """log ell at x as measured: at every t_hat, linear in x between the two fitted sizes
+        around it (x clamped to the fitted span), so a fitted size gets its own mean curve."""
+        if self.size_shapes is None:
+            raise ValueError("the fit keeps no per-size shapes (fit_drift stores them)")
+        order = np.argsort(self.size_x)
+        xs, shapes = np.asarray(self.size_x)[order], self.size_shapes[order]
+        x = float(np.clip(x, xs[0], xs[-1]))
+        hi = int(np.clip(np.searchsorted(xs, x), 1, len(xs) - 1))
+        weight = (x - xs[hi - 1]) / (xs[hi] - xs[hi - 1])
+        return (1 - weight) * shapes[hi - 1] + weight * shapes[hi]
 
     def to_dict(self) -> dict:
         return {
@@ -264,6 +277,7 @@ def fit_drift(
         spread_without_offset=spread(0.0) if len(sizes) > 1 else float("nan"),
         spread_with_offset=spread(fitted) if len(sizes) > 1 else float("nan"),
         notes=notes,
+        size_shapes=logs,
     )
 
 

@@ -8,19 +8,23 @@ prediction, the more the further the variant's size is from the reference's. The
 sizes, trained to the end at the sweep's TPP band and the family's tau, do show the drift:
 ``collapse.drift.fit_drift`` fits an offset L0 and a slope of the shape exponent in log size on
 them. Applied to a variant at another tau, under the assumption that the drift does not depend
-on tau (one L0, one exponent a(x) = 1 + slope (x - x_ref) for every tau):
+on tau:
 
-    ell_tau(x) = ell_tau(x_r) ** (a(x) / a(x_r)),   ell = (L - L0) / (L(T) - L0)
+    log ell_tau(x) = log ell_tau(x_r) * D(x) / D(x_r),   ell = (L - L0) / (L(T) - L0)
 
 with x_r the size of the variant's reference run, whose curve normalized with L0 gives
-ell_tau(x_r). Between the family's fitted sizes the drift is measured, so a variant there gets
-a(x) as fitted. Beyond them, as in ``collapse.drift.predict_drift``, two hypotheses are
-averaged: the drift stops at the nearest fitted size (a held at its value there) or continues
-linearly in log size; their half difference enters the uncertainty with the alignment misfit
-and the jackknife over the family's runs. (``predict_drift``'s own "all offset" hypothesis, a = 1
-at every size, would discard the measured drift between the reference run's size and the
-variant's: on the synthetic family of tests/test_sweep_drift.py, with the exponent's slope 0.5
-per unit log parameters and L0 0, it errs by 4.5 % where the fitted a(x) errs by 0.25 %.)
+ell_tau(x_r), and D(x) the family's mean log ell at x, measured at its fitted sizes and
+interpolated linearly in log size at every t_hat. Between the fitted sizes the drift is
+measured, so it is used as measured: on tiny's sweep a change of exponent alone, a(x) =
+1 + slope (x - x_ref), missed that the wider sizes differ early in training only (docs/method.md
+§9). Where the drift is an exponent drift, the ratio equals a(x) / a(x_r) whatever the tau's own
+shape. Beyond the fitted sizes, as in ``collapse.drift.predict_drift``, two hypotheses are
+averaged: the drift stops at the nearest fitted size or continues from there by the exponent;
+their half difference enters the uncertainty with the alignment misfit and the jackknife over
+the family's runs. (``predict_drift``'s own "all offset" hypothesis, a = 1 at every size, would
+discard the measured drift between the reference run's size and the variant's: on the synthetic
+family of tests/test_sweep_drift.py, with the exponent's slope 0.5 per unit log parameters and
+L0 0, it errs by 4.5 % where the fitted a(x) errs by 0.25 %.)
 
 Runs at the size of a variant are left out of the fit: at the family's tau such a run is a
 variant's own future (a variant stopped early can be the first part of it). Where fewer than two
@@ -40,8 +44,9 @@ from collapse.predict import DRIFT_METHOD, _prediction_row, alignment_window
 from collapse.roles import Role
 
 ASSUMPTION = (
-    "the size drift (offset L0 and the shape exponent's slope in log size) fitted on the "
-    "family's own sizes at its tau holds at every tau of the sweep"
+    "the size drift fitted on the family's own sizes at its tau (offset L0; the change of the "
+    "normalized shape as measured between the fitted sizes, by the shape exponent's slope in "
+    "log size beyond them) holds at every tau of the sweep"
 )
 TAU_RTOL = 1e-6  # the planner's realized tau differs by float noise across sizes
 
@@ -94,29 +99,39 @@ def transfer(
 ) -> DriftFit:
     """The fit moved to another tau: its shape becomes the reference run's, normalized with L0.
 
-    With a(x) the fit's exponent, the result's ``ell(x)`` is
-    ell_tau(x_r) ** (a(x) / a(x_r)) exactly, and its ``ell(x, exponent_drift=False)`` is
-    ell_tau(x_r) ** (a(x_stop) / a(x_r)), the drift stopped at ``x_stop`` (``stop_point``): the
-    two hypotheses ``drift.predict_drift`` averages. The jackknife replicas move alike, each
-    with its own L0 and slope.
+    Inside the fitted sizes log ell changes by the family's measured ratio at every t_hat:
+    log ell_tau(x) = log ell_tau(x_r) * D(x) / D(x_r), D = ``DriftFit.measured_shape`` (exact
+    when the drift is a change of the shape exponent, whatever the tau's own shape). A
+    reference run outside them is first brought to the nearest fitted size x_c by the
+    exponent, log ell_tau(x_r) * a(x_c) / a(x_r). So the result's ``ell(x, exponent_drift=False)``
+    is the shape at ``x_stop`` (``stop_point``), and its ``ell(x)`` continues from there by the
+    exponent, ell_stop ** (a(x) / a(x_stop)): the two hypotheses ``drift.predict_drift``
+    averages, equal inside the fitted sizes. The ratio is meant for the early alignment window;
+    near t_hat 1, where D tends to 0, it is noise (NaN at t_hat 1). The jackknife replicas move
+    alike, each with its own L0, slope and measured shapes.
     """
     matrix = resample(curves.select([reference_run]))
+    x_near = stop_point(fit, x_reference)
 
     def moved(f: DriftFit) -> DriftFit:
         with np.errstate(invalid="ignore", divide="ignore"):
             log_ell = np.log(matrix.normalized(f.offset)[0])
-        a_ref, a_stop = f.exponent(x_reference), f.exponent(x_stop)
+        a_ref, a_near, a_stop = f.exponent(x_reference), f.exponent(x_near), f.exponent(x_stop)
         if not (a_ref > 0 and a_stop > 0):
             raise ValueError(
                 f"the fitted shape exponent is {min(a_ref, a_stop):.3g} at a sweep run's size: "
                 "the size drift does not extrapolate that far"
             )
+        if not np.array_equal(matrix.grid, f.t_hat):
+            raise ValueError("the reference run and the drift fit are on different t_hat grids")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            measured = f.measured_shape(x_stop) / f.measured_shape(x_near)
         return replace(
             f,
             slope=f.slope / a_stop,
             x_ref=float(x_stop),
             t_hat=matrix.grid,
-            shape=log_ell * a_stop / a_ref,
+            shape=log_ell * a_near / a_ref * measured,
         )
 
     return replace(moved(fit), replicas=[moved(r) for r in fit.replicas])
