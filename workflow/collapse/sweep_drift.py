@@ -22,9 +22,8 @@ shape. Beyond the fitted sizes, as in ``collapse.drift.predict_drift``, two hypo
 averaged: the drift stops at the nearest fitted size or continues from there by the exponent;
 their half difference enters the uncertainty with the alignment misfit and the jackknife over
 the family's runs. (``predict_drift``'s own "all offset" hypothesis, a = 1 at every size, would
-discard the measured drift between the reference run's size and the variant's: on the synthetic
-family of tests/test_sweep_drift.py, with the exponent's slope 0.5 per unit log parameters and
-L0 0, it errs by 4.5 % where the fitted a(x) errs by 0.25 %.)
+discard the measured drift between the reference run's size and the variant's: 4.5 % error on
+a synthetic exponent drift, docs/experiments.md, *Sweep prediction with the size drift*.)
 
 Runs at the size of a variant are left out of the fit: at the family's tau such a run is a
 variant's own future (a variant stopped early can be the first part of it). Where fewer than two
@@ -102,20 +101,18 @@ def transfer(
     Inside the fitted sizes log ell changes by the family's measured ratio at every t_hat:
     log ell_tau(x) = log ell_tau(x_r) * D(x) / D(x_r), D = ``DriftFit.measured_shape`` (exact
     when the drift is a change of the shape exponent, whatever the tau's own shape). A
-    reference run outside them is first brought to the nearest fitted size x_c by the
-    exponent, log ell_tau(x_r) * a(x_c) / a(x_r). So the result's ``ell(x, exponent_drift=False)``
-    is the shape at ``x_stop`` (``stop_point``), and its ``ell(x)`` continues from there by the
-    exponent, ell_stop ** (a(x) / a(x_stop)): the two hypotheses ``drift.predict_drift``
-    averages, equal inside the fitted sizes. The ratio is meant for the early alignment window;
-    near t_hat 1, where D tends to 0, it is noise (NaN at t_hat 1). The jackknife replicas move
-    alike, each with its own L0, slope and measured shapes.
+    reference run outside them is first brought to the nearest fitted size x_near by the
+    exponent, log ell_tau(x_r) * a(x_near) / a(x_r). So the result's
+    ``ell(x, exponent_drift=False)`` is the shape at ``x_stop`` (``stop_point``), and its
+    ``ell(x)`` continues from there by the exponent, ell_stop ** (a(x) / a(x_stop)): the two
+    hypotheses ``drift.predict_drift`` averages, equal inside the fitted sizes. The ratio is
+    meant for the early alignment window; near t_hat 1, where D tends to 0, it is noise (NaN at
+    t_hat 1). The jackknife replicas move alike, each with its own L0, slope and measured shapes.
     """
     matrix = resample(curves.select([reference_run]))
     x_near = stop_point(fit, x_reference)
 
     def moved(f: DriftFit) -> DriftFit:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            log_ell = np.log(matrix.normalized(f.offset)[0])
         a_ref, a_near, a_stop = f.exponent(x_reference), f.exponent(x_near), f.exponent(x_stop)
         if not (a_ref > 0 and a_stop > 0):
             raise ValueError(
@@ -124,7 +121,8 @@ def transfer(
             )
         if not np.array_equal(matrix.grid, f.t_hat):
             raise ValueError("the reference run and the drift fit are on different t_hat grids")
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore", divide="ignore"):  # NaN where a curve has no value
+            log_ell = np.log(matrix.normalized(f.offset)[0])
             measured = f.measured_shape(x_stop) / f.measured_shape(x_near)
         return replace(
             f,
