@@ -17,7 +17,7 @@ from scipy import stats
 from synthetic import synthetic_family
 
 from collapse.curves import curves_from_frame, resample, smooth
-from collapse.drift import fit_drift, predict_drift
+from collapse.drift import OFFSET_FLOOR, fit_drift, predict_drift
 from collapse.predict import (
     DRIFT_METHOD,
     alignment_window,
@@ -60,6 +60,24 @@ def test_recovers_a_known_offset_and_no_exponent_drift():
     assert fit.slope == pytest.approx(0.0, abs=2e-3)
     assert fit.spread_with_offset < 0.01 * fit.spread_without_offset
     assert fit.sizes == REFERENCE and fit.coordinate == "log params"
+    assert fit.notes == []
+
+
+def test_curves_that_differ_by_a_constant_put_L0_at_its_floor_and_say_so():
+    """s2 = s1 - 0.2 nats at every step: L - L0 is proportional across them only as L0 -> -inf,
+    so the fit stops at the lower end of its range, -1 x the lowest final loss, and says so."""
+    frame = synthetic_family(FINALS, seeds=2, steps=1000, noise_rel=0.0, wiggle_rel=0.0)
+    s1 = frame[frame["size"] == "s1"]
+    s2 = s1.assign(run=s1["run"].str.replace("s1", "s2"), size="s2", loss=s1["loss"] - 0.2)
+    shifted = pd.concat([s1, s2], ignore_index=True).assign(
+        params=lambda f: f["size"].map(N_PARAMS)
+    )
+    matrix = resample(smooth(curves_from_frame(shifted)))
+    fit = fit_drift(matrix)
+    lowest = matrix.meta["final_loss"].min()  # of the smoothed curves, as the fit sees them
+    assert fit.offset == pytest.approx(OFFSET_FLOOR * lowest, rel=1e-3)
+    assert len(fit.notes) == 1 and "lower end of its search range" in fit.notes[0]
+    assert fit.to_dict()["notes"] == fit.notes
 
 
 def test_recovers_a_known_exponent_drift_with_the_offset_held():

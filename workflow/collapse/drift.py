@@ -51,6 +51,7 @@ DRIFT_FIT_RANGE = FIT_WINDOW
 OFFSET_CEILING = 1 - 1e-6  # L0 stays below the lowest reference final loss (numerical guard)
 OFFSET_FLOOR = -1.0  # ... and above this multiple of it (a negative L0: larger sizes steeper)
 OFFSET_GRID_POINTS = 201  # L0 values tried before the bounded search refines the best one
+BOUND_TOLERANCE = 1e-4  # L0 this close to an end of its range (x the lowest final) is "at" it
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,30 @@ def _fit_offset(losses: np.ndarray, floor: float) -> float:
     return float(result.x)
 
 
+def _offset_bound_notes(offset: float, floor: float) -> list[str]:
+    """A note when L0 lands on an end of its search range: the reference sizes then tell
+    nothing about an offset, and L0 only encodes that their curves are closer to differing by
+    a constant (floor) or to sharing an asymptote at their lowest loss (ceiling)."""
+    near = BOUND_TOLERANCE * abs(floor)
+    if abs(offset - OFFSET_FLOOR * floor) < near:
+        where = (
+            f"the lower end of its search range ({OFFSET_FLOOR:g} x the lowest reference final "
+            "loss): the reference sizes' curves are nearer to differing by a constant than to "
+            "being proportional after any L0"
+        )
+    elif abs(offset - OFFSET_CEILING * floor) < near:
+        where = (
+            "the lowest reference final loss: no L0 below the losses makes the curves proportional"
+        )
+    else:
+        return []
+    return [
+        f"L0 = {offset:.4g} sits at {where}. It is a fitting device, not an irreducible loss, "
+        "and the predictions beyond the reference sizes rest on it: check them on one larger "
+        "size trained to the end before stopping runs on them"
+    ]
+
+
 def _exponent(log_ell: np.ndarray, shape: np.ndarray) -> float:
     """a in log ell_i = c_i + a * g: the slope of a size's log ell against the mean shape.
 
@@ -255,6 +280,7 @@ def fit_drift(
         fitted = 0.0 if offset is None else float(offset)
     elif offset is None:
         fitted = _fit_offset(_size_mean_losses(matrix, labels, sizes, cols), float(np.min(final)))
+        notes.extend(_offset_bound_notes(fitted, float(np.min(final))))
     else:
         fitted = float(offset)
     logs = _log_size_means(matrix, labels, sizes, fitted)

@@ -90,7 +90,8 @@ def fit_sweep_drift(curves: Curves, runs: list[str]) -> tuple[DriftFit | None, s
         fit = fit_drift_jackknife(resample(curves.select(have)))
     except ValueError as err:
         return None, f"the size drift cannot be fitted ({err}); the paper's method only"
-    return fit, f"size drift fitted on {', '.join(fit.sizes)}{why}"
+    notes = "".join(f"; note: {note}" for note in fit.notes)
+    return fit, f"size drift fitted on {', '.join(fit.sizes)}{why}{notes}"
 
 
 def transfer(
