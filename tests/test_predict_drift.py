@@ -189,6 +189,19 @@ def test_cli_prints_the_fit_and_the_bias_by_size(tmp_path, capsys):
     drift_rows = by_size[by_size["method"] == DRIFT_METHOD]
     assert list(drift_rows["size"]) == ["s3", "s4", "s5"]
     assert drift_rows["bias_pct"].abs().max() < 0.05
+    assert not (tmp_path / "out" / "held_out.csv").exists()  # two sizes: none to hold out
+    # three reference sizes: the largest, s3, is predicted from s1 and s2 as above
+    assert run_cli([*argv, "--reference-sizes", "s1,s2,s3", "--out", str(tmp_path / "three")]) == 0
+    assert "held-out check: reference size s3 predicted from s1,s2" in capsys.readouterr().out
+    held = pd.read_csv(tmp_path / "three" / "held_out.csv").set_index("method")
+    assert set(held["size"]) == {"s3"} and set(held["fitted_on"]) == {"s1,s2"}
+    assert (held["n_runs"] == 2).all()
+    s3 = by_size[by_size["size"] == "s3"].set_index("method")
+    for method in ("collapse", DRIFT_METHOD):
+        assert held.at[method, "bias_pct"] == pytest.approx(s3.at[method, "bias_pct"], abs=1e-4)
+    # the offset the paper's method ignores shows in its error; the drift method has none
+    assert abs(held.at["collapse", "bias_pct"]) > 0.2
+    assert abs(held.at[DRIFT_METHOD, "bias_pct"]) < 0.05
     # one reference size: nothing to fit a drift from, and the user is told so
     assert run_cli([*argv, "--reference-sizes", "s1"]) == 0
     assert "one reference size" in capsys.readouterr().err

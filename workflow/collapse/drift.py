@@ -231,7 +231,8 @@ def _offset_bound_notes(offset: float, floor: float) -> list[str]:
     return [
         f"L0 = {offset:.4g} sits at {where}. It is a fitting device, not an irreducible loss, "
         "and the predictions beyond the reference sizes rest on it: check them on one larger "
-        "size trained to the end before stopping runs on them"
+        "size trained to the end before stopping runs on them (given a third reference size, "
+        "`collapse predict` does, in held_out.csv)"
     ]
 
 

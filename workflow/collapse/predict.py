@@ -374,6 +374,52 @@ def predict_runs(
     return table
 
 
+def held_out_size(
+    curves: Curves, reference_runs: Sequence[str], fractions: Sequence[float], offset: float = 0.0
+) -> pd.DataFrame:
+    """The largest reference size predicted from the smaller ones: extrapolation checked on
+    sizes whose truth is known.
+
+    With three or more reference sizes the largest is held out, the reference curve and the
+    drift are fitted on the others, and its runs are predicted at each fraction as
+    ``predict_runs`` would predict a larger size. One row per method (collapse, drift) and
+    fraction: size, fitted_on, n_runs, bias_pct (mean signed error, %), abs_error_pct. Empty
+    with fewer than three reference sizes (the drift needs two to fit on).
+    """
+    columns = ["method", "fraction", "size", "fitted_on", "n_runs", "bias_pct", "abs_error_pct"]
+    meta = curves.meta.loc[list(reference_runs)]
+    labels, x = size_labels(meta), size_coordinate(meta)[0]
+    order = x.groupby(labels).mean().sort_values()
+    if len(order) < 3:
+        return pd.DataFrame(columns=columns)
+    held = labels.index[labels == order.index[-1]]
+    fit_on = [r for r in reference_runs if r not in set(held)]
+    reference = reference_curve(resample(curves.select(fit_on)), offset=offset)
+    table = predict_runs(
+        curves,
+        reference,
+        fractions,
+        runs=list(held),
+        offset=offset,
+        drift=drift_from_sizes(curves, fit_on),
+    )
+    table = table[table["method"].isin(["collapse", DRIFT_METHOD])]
+    signed = 100 * (table["predicted_final_loss"] - table["true_final_loss"])
+    out = (
+        table.assign(bias_pct=signed / table["true_final_loss"])
+        .groupby(["method", "fraction"], sort=False)
+        .agg(
+            n_runs=("run", "size"),
+            bias_pct=("bias_pct", "mean"),
+            abs_error_pct=("abs_error_pct", "mean"),
+        )
+        .reset_index()
+    )
+    out.insert(2, "size", str(order.index[-1]))
+    out.insert(3, "fitted_on", ",".join(str(s) for s in order.index[:-1]))
+    return out[columns]
+
+
 # ---------------------------------------------------------------- bias with size
 
 
@@ -522,7 +568,9 @@ output: OUT/predictions.csv with columns run, fraction, predicted_final_loss, lo
   method, true_final_loss, abs_error_pct (the last two NaN for runs that are not complete);
   with --reference-sizes also OUT/drift.json (the fitted L0, exponent slope, each reference
   size's exponent) and, for complete runs, OUT/bias_by_size.csv (mean signed error per
-  method, fraction and size, and the exponent the drift method assumed there);
+  method, fraction and size, and the exponent the drift method assumed there); with three or
+  more reference sizes also OUT/held_out.csv: the largest of them predicted from the others
+  by the collapse and drift methods, an extrapolation whose truth is known;
   with --sweep-report also OUT/sweep_metrics.{csv,md,png,pdf}.
 """
 
@@ -614,12 +662,20 @@ def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | No
     return drift
 
 
-def _write_outputs(args, work: Path, table: pd.DataFrame, curves, drift) -> None:
-    """predictions.csv, drift.json, bias_by_size.csv and the sweep report, written into ``work``
-    (the staging folder of ``args.out``) with the summaries printed."""
+def _write_outputs(args, work: Path, table: pd.DataFrame, curves, drift, held_out=None) -> None:
+    """predictions.csv, drift.json, held_out.csv, bias_by_size.csv and the sweep report,
+    written into ``work`` (the staging folder of ``args.out``) with the summaries printed."""
     table.to_csv(work / "predictions.csv", index=False, float_format="%.6g")
     if drift is not None:
         (work / "drift.json").write_text(json.dumps(drift.to_dict(), indent=2) + "\n")
+    if held_out is not None and not held_out.empty:
+        held_out.to_csv(work / "held_out.csv", index=False, float_format="%.6g")
+        first = held_out.iloc[0]
+        print(
+            f"held-out check: reference size {first['size']} predicted from "
+            f"{first['fitted_on']} (-> {args.out / 'held_out.csv'}), mean signed error (%):"
+        )
+        print(held_out.pivot_table("bias_pct", "fraction", "method").round(3).to_string())
     print(f"predicted {table['run'].nunique()} runs -> {args.out / 'predictions.csv'}")
     if table["true_final_loss"].notna().any():
         summary = table.pivot_table("abs_error_pct", "fraction", "method", aggfunc="mean")
@@ -670,8 +726,13 @@ def _cli(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"no run reached fraction {min(args.fraction)}; give smaller --fraction values"
             )
+        held_out = (
+            held_out_size(curves, reference_runs, args.fraction, args.offset)
+            if drift is not None
+            else None
+        )
         with staged_folder(args.out, "merge") as work:  # all outputs, or none on an error
-            _write_outputs(args, work, table, curves, drift)
+            _write_outputs(args, work, table, curves, drift, held_out)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
