@@ -2,6 +2,7 @@
 
     python benchmarks/bench_sweep.py                      # the tiny family's tau sweep
     python benchmarks/bench_sweep.py --family smoke --cores 2
+    python benchmarks/bench_sweep.py --overrides '+family.sweeps.0.reference_seeds=[0,1,2]'
 
 Runs (or finds already run) the sweep's Snakemake target with every variant trained to the end
 (``validate_full``, switched on here when the family stops its sweep early: the variants then
@@ -51,6 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", default=None, help="sweep name (default: the family's first)")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=REPO, help="holds results/ (default: repo)")
+    parser.add_argument(
+        "--overrides",
+        default="",
+        metavar="'A=1 B=2'",
+        help="more Hydra overrides, space-separated, "
+        "e.g. '+family.sweeps.0.reference_seeds=[0,1,2]'",
+    )
     args = parser.parse_args(argv)
     cfg = load_config([f"family={args.family}"])
     if not cfg.family.sweeps:
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if index is None:
         parser.error(f"no sweep {args.sweep!r} in family {args.family!r}")
     sweep = cfg.family.sweeps[index]
-    overrides = f"family.sweeps.{index}.validate_full=true"  # the errors need the truth
+    overrides = f"family.sweeps.{index}.validate_full=true {args.overrides}".strip()  # the truth
     seconds = run_sweep(
         cfg.family.name, sweep.name, args.cores, args.workdir, cfg.results, overrides
     )

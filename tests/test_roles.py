@@ -59,3 +59,19 @@ def test_a_sweep_variant_stopped_early_shares_the_family_run_it_is_the_start_of(
         assert table.at["sweep-tau-d128-tau0.1-s0", "same_as"] == ""
         assert table.at["sweep-tau-d128-tau0.4-s0", "same_as"] == ""
         assert table.at["sweepref-tau-d96-tau0.2-s0", "same_as"] == "d96-tpp10-s0"
+
+
+def test_a_sweep_reference_with_several_seeds_plans_one_run_per_tau_and_seed():
+    """reference_seeds [0, 1, 2]: three small runs per tau of the grid, named by their seed; at
+    the family's own tau they are the family's reference seeds, trained once."""
+    cfg = load_config(["family=tiny", "+family.sweeps.0.reference_seeds=[0,1,2]"])
+    table = plan_family(cfg, corpus_tokens=10**9).table.set_index("run")
+    refs = table[table.role == Role.SWEEP_REFERENCE]
+    assert sorted(refs.index) == sorted(
+        f"sweepref-tau-d96-tau{tau}-s{seed}" for tau in (0.1, 0.2, 0.4) for seed in (0, 1, 2)
+    )
+    assert list(refs.loc[[f"sweepref-tau-d96-tau0.2-s{s}" for s in (0, 1, 2)], "same_as"]) == [
+        f"d96-tpp10-s{s}" for s in (0, 1, 2)
+    ]
+    assert (refs.loc[[f"sweepref-tau-d96-tau0.4-s{s}" for s in (0, 1, 2)], "same_as"] == "").all()
+    assert list(refs.seed[refs.tau.round(4) == 0.1]) == [0, 1, 2]

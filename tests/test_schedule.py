@@ -32,10 +32,12 @@ def test_reference_first_then_the_largest_run(tmp_path):
     reference_runs = {r: p for r, p in train.items() if r in reference}
     others = {r: p for r, p in train.items() if r not in reference}
     contrast = {r for r in others if r.startswith("contrast-")}
-    # the sweep's d96 reference at tau 0.2 is d96-s0, and its d128 variant at tau 0.2 (stopped
-    # at 30 %) the first part of d128-s0: both share_run, no train
-    assert "sweepref-tau-d96-tau0.2-s0" not in train and "sweep-tau-d128-tau0.2-s0" not in train
-    assert len(reference_runs) == 3 and len(others) == 7 and len(contrast) == 1, sorted(train)
+    # the sweep's d96 references at tau 0.2 are d96-s0..s2, and its d128 variant at tau 0.2
+    # (stopped at 30 %) the first part of d128-s0: they share_run, no train
+    shared = [f"sweepref-tau-d96-tau0.2-s{seed}" for seed in range(3)]
+    assert not set(shared) & set(train) and "sweep-tau-d128-tau0.2-s0" not in train
+    # d128, d160, the contrast, two variants and three seeds at each of two other taus
+    assert len(reference_runs) == 3 and len(others) == 11 and len(contrast) == 1, sorted(train)
     reference_rule = jobs[("reference", "scope=, band=10")]  # the family's, not the contrast's
     assert min(reference_runs.values()) > max(others.values())
     assert reference_rule > max(others.values())

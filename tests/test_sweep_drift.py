@@ -174,16 +174,23 @@ def test_the_moved_shape_takes_the_measured_ratio_and_continues_by_the_exponent(
     x = np.log(PARAMS["s128"])
     weight = (x - x_r) / (x_160 - x_r)  # s128 lies between the fitted sizes
     assert 0 < weight < 1
-    inside = transfer(fit, curves, ref, x_r, stop_point(fit, x))
+    inside = transfer(fit, curves, [ref], x_r, stop_point(fit, x))
     with np.errstate(invalid="ignore"):  # 0 / 0 at t_hat 1, left out by ok
         by_hand = log_ref * ((1 - weight) * d96 + weight * d160) / d96  # D(x_r) = d96
         stopped = log_ref * d160 / d96
     assert np.log(inside.ell(x))[ok] == pytest.approx(by_hand[ok], rel=1e-9, abs=1e-12)
     assert inside.ell(x)[ok] == pytest.approx(inside.ell(x, exponent_drift=False)[ok], rel=1e-12)
+    # several seeds of a reference: the log of their mean normalized curve takes the ratio
+    seeds = ["s96-s0", "s96-s1"]
+    both = transfer(fit, curves, seeds, x_r, stop_point(fit, x))
+    normalized = resample(curves.select(seeds)).normalized(fit.offset)
+    with np.errstate(invalid="ignore"):
+        by_hand = np.log(normalized.mean(axis=0)) * ((1 - weight) * d96 + weight * d160) / d96
+    assert np.log(both.ell(x))[ok] == pytest.approx(by_hand[ok], rel=1e-9, abs=1e-12)
 
     x_big = np.log(4 * PARAMS["s160"])
     assert stop_point(fit, x_big) == pytest.approx(x_160)
-    moved = transfer(fit, curves, ref, x_r, stop_point(fit, x_big))
+    moved = transfer(fit, curves, [ref], x_r, stop_point(fit, x_big))
     assert moved.offset == fit.offset
     assert np.log(moved.ell(x_big, exponent_drift=False))[ok] == pytest.approx(stopped[ok])
     continued = stopped * a(x_big) / a(x_160)

@@ -158,6 +158,12 @@ class SweepSpec(_Spec):
     # A small run per distinct tau of the grid is each variant's reference (docs/method.md §5,
     # step 1: one small model per combination of controls). Default: the first reference size.
     reference_size: str | None = None
+    # Seeds of each tau's reference, averaged: one seed's noise in the reference moves every
+    # prediction at that tau alike, by as much as variants differ. Default: [seed].
+    reference_seeds: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+
+    def seeds_of_references(self) -> list[int]:
+        return self.reference_seeds if self.reference_seeds is not None else [self.seed]
 
     @field_validator("grid", mode="before")
     @classmethod
@@ -447,6 +453,7 @@ class FamilySpec(_Spec):
         }
         for sweep in self.sweeps:
             lists[f"sweeps[{sweep.name}].fractions"] = sweep.fractions
+            lists[f"sweeps[{sweep.name}].reference_seeds"] = sweep.seeds_of_references()
             for key, values in sweep.grid.items():
                 lists[f"sweeps[{sweep.name}].grid.{key}"] = values
         if self.contrast is not None:

@@ -709,7 +709,8 @@ class Planner:
                     yield self.run(Role.FAMILY, size, tpp, seed)
 
     def sweep_runs(self, sweep: SweepSpec) -> Iterator[Planned]:
-        """A sweep's variants, then one small full-length run per tau of its grid."""
+        """A sweep's variants, then small full-length runs per tau of its grid (one per
+        reference seed)."""
         family = self.family
         size = family.size(sweep.size)
         tpp = sweep.tpp if sweep.tpp is not None else family.tpp[0]
@@ -720,9 +721,10 @@ class Planner:
             yield planned
         reference = family.size(sweep.reference_size or family.reference.sizes[0])
         for tau in taus.values():
-            yield self.run(
-                Role.SWEEP_REFERENCE, reference, tpp, sweep.seed, sweep=sweep, variant={"tau": tau}
-            )
+            for seed in sweep.seeds_of_references():
+                yield self.run(
+                    Role.SWEEP_REFERENCE, reference, tpp, seed, sweep=sweep, variant={"tau": tau}
+                )
 
     def inherited_weight_decay(self, size: SizeSpec, tpp: float, holds: HeldDecay) -> float:
         """The lambda ``size`` gets when its weight decay is taken over from the smallest size

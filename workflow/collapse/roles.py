@@ -39,7 +39,7 @@ class Role(StrEnum):
             values = "-".join(f"{k}{v:.4g}" for k, v in sorted((variant or {}).items()))
             return f"sweep-{sweep.name}-{size}-{values}-s{sweep.seed}"
         if self == Role.SWEEP_REFERENCE:
-            return f"sweepref-{sweep.name}-{size}-tau{tau:.4g}-s{sweep.seed}"
+            return f"sweepref-{sweep.name}-{size}-tau{tau:.4g}-s{seed}"
         if self == Role.FAULT:
             return f"fault-{fault}-{size}-s{seed}"
         name = f"{size}-tpp{tpp:g}-s{seed}"

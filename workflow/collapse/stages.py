@@ -68,7 +68,8 @@ def _share(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    """Predict every variant against the small run of its own tau; metrics where truth is known.
+    """Predict every variant against the small runs of its own tau (the seeds' mean curve);
+    metrics where truth is known.
 
     docs/method.md §5: the reference of a setting is a small model trained with the same
     controls (schedule, tau, TPP). The plan adds one such run per distinct tau of the grid.
@@ -102,18 +103,19 @@ def _sweep(args: argparse.Namespace) -> int:
     fit, note = fit_sweep_drift(curves, fit_runs)
     tables, drifted = [], []
     for tau, group in variants.groupby("tau"):
-        ref_run = references.index[np.argmin(np.abs(references["tau"].to_numpy() - tau))]
-        reference = reference_curve(resample(curves.select([ref_run])))
+        distance = np.abs(references["tau"].to_numpy() - tau)
+        ref_runs = list(references.index[np.isclose(distance, distance.min())])  # its seeds
+        reference = reference_curve(resample(curves.select(ref_runs)))
         table = predict_runs(curves, reference, args.fractions, runs=list(group.index))
-        tables.append(table.assign(reference_run=ref_run))
+        tables.append(table.assign(reference_run=",".join(ref_runs)))
         if fit is None:
             continue
         try:
-            found = predict_sweep_drift(curves, fit, ref_run, list(group.index), args.fractions)
+            found = predict_sweep_drift(curves, fit, ref_runs, list(group.index), args.fractions)
         except ValueError as err:  # every variant by the drift, or none: one selection
             fit, note = None, f"the size drift cannot be applied ({err}); the paper's method only"
             continue
-        drifted.append(found.assign(reference_run=ref_run))
+        drifted.append(found.assign(reference_run=",".join(ref_runs)))
     table = pd.concat(tables + (drifted if fit is not None else []), ignore_index=True)
     table["sweep"] = table["run"].map(runs["sweep"]).astype(str)
     out = Path(args.out)

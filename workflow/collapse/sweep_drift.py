@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
-from collapse.curves import Curves, resample, size_labels
+from collapse.curves import Curves, nan_columns_expected, resample, size_labels
 from collapse.drift import DriftFit, fit_drift_jackknife, predict_drift, size_coordinate
 from collapse.predict import DRIFT_METHOD, _prediction_row, alignment_window
 from collapse.roles import Role
@@ -95,9 +95,10 @@ def fit_sweep_drift(curves: Curves, runs: list[str]) -> tuple[DriftFit | None, s
 
 
 def transfer(
-    fit: DriftFit, curves: Curves, reference_run: str, x_reference: float, x_stop: float
+    fit: DriftFit, curves: Curves, reference_runs: list[str], x_reference: float, x_stop: float
 ) -> DriftFit:
-    """The fit moved to another tau: its shape becomes the reference run's, normalized with L0.
+    """The fit moved to another tau: its shape becomes the reference runs' (their seeds' mean
+    normalized curve, normalized with L0).
 
     Inside the fitted sizes log ell changes by the family's measured ratio at every t_hat:
     log ell_tau(x) = log ell_tau(x_r) * D(x) / D(x_r), D = ``DriftFit.measured_shape`` (exact
@@ -110,7 +111,7 @@ def transfer(
     meant for the early alignment window; near t_hat 1, where D tends to 0, it is noise (NaN at
     t_hat 1). The jackknife replicas move alike, each with its own L0, slope and measured shapes.
     """
-    matrix = resample(curves.select([reference_run]))
+    matrix = resample(curves.select(reference_runs))
     x_near = stop_point(fit, x_reference)
 
     def moved(f: DriftFit) -> DriftFit:
@@ -122,8 +123,8 @@ def transfer(
             )
         if not np.array_equal(matrix.grid, f.t_hat):
             raise ValueError("the reference run and the drift fit are on different t_hat grids")
-        with np.errstate(invalid="ignore", divide="ignore"):  # NaN where a curve has no value
-            log_ell = np.log(matrix.normalized(f.offset)[0])
+        with np.errstate(invalid="ignore", divide="ignore"), nan_columns_expected():
+            log_ell = np.log(np.nanmean(matrix.normalized(f.offset), axis=0))
             measured = f.measured_shape(x_stop) / f.measured_shape(x_near)
         return replace(
             f,
@@ -144,16 +145,17 @@ def stop_point(fit: DriftFit, x: float) -> float:
 def predict_sweep_drift(
     curves: Curves,
     fit: DriftFit,
-    reference_run: str,
+    reference_runs: list[str],
     variants: list[str],
     fractions: list[float],
 ) -> pd.DataFrame:
-    """DRIFT_METHOD rows (``predict.PREDICTION_COLUMNS``) of the variants sharing one reference.
+    """DRIFT_METHOD rows (``predict.PREDICTION_COLUMNS``) of the variants sharing one reference
+    (``reference_runs``: the seeds of one small run, averaged).
 
-    ``curves`` smoothed, holding the variants and the reference run; their sizes must carry the
+    ``curves`` smoothed, holding the variants and the reference runs; their sizes must carry the
     coordinate the fit was made in (``drift.size_coordinate``).
     """
-    x, coordinate = size_coordinate(curves.meta.loc[[reference_run, *variants]])
+    x, coordinate = size_coordinate(curves.meta.loc[[*reference_runs, *variants]])
     if coordinate != fit.coordinate:
         raise ValueError(
             f"the size drift was fitted in {fit.coordinate} but the sweep's runs give "
@@ -167,7 +169,7 @@ def predict_sweep_drift(
         truth = float(loss[-1]) if bool(curves.meta.at[run, "complete"]) else np.nan
         x_run = float(x[run])
         moved = transfer(
-            fit, curves, reference_run, float(x[reference_run]), stop_point(fit, x_run)
+            fit, curves, reference_runs, float(x[reference_runs].mean()), stop_point(fit, x_run)
         )
         for fraction in fractions:
             if t_hat.max() < fraction - 1e-9:
