@@ -135,9 +135,9 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
 
 
 def _slope_verdict(t: float) -> str:
-    """|t| <= 2: no significant growth of the bias with size; NaN: one predicted size only."""
+    """|t| <= 2: no significant growth of the bias with size; NaN: under three predicted sizes."""
     if np.isnan(t):
-        return "n/a (one predicted size)"
+        return "n/a (fewer than three predicted sizes)"
     return "ok" if abs(t) <= 2 else "GROWS WITH SIZE"
 
 
