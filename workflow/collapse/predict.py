@@ -403,19 +403,8 @@ def held_out_size(
         offset=offset,
         drift=drift_from_sizes(curves, fit_on),
     )
-    table = table[table["method"].isin(["collapse", DRIFT_METHOD])]
-    signed = 100 * (table["predicted_final_loss"] - table["true_final_loss"])
-    out = (
-        table.assign(bias_pct=signed / table["true_final_loss"])
-        .groupby(["method", "fraction"], sort=False)
-        .agg(
-            n_runs=("run", "size"),
-            bias_pct=("bias_pct", "mean"),
-            abs_error_pct=("abs_error_pct", "mean"),
-        )
-        .reset_index()
-    )
-    out.insert(2, "size", str(order.index[-1]))
+    chosen = table[table["method"].isin(["collapse", DRIFT_METHOD])]
+    out = bias_by_size(chosen, curves.meta)
     out.insert(3, "fitted_on", ",".join(str(s) for s in order.index[:-1]))
     return out[columns]
 
