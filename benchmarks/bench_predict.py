@@ -36,11 +36,14 @@ family that does not collapse), mean absolute error (%) of the final loss at 10 
     c5m                 1.09 0.51 0.35      0.10 0.03 0.01      0.49 0.17 0.11
     chess               2.98 1.89 1.47      0.22 0.08 0.06      1.12 0.45 0.28
     tiny_spike          10.0 13.2 15.8      4.66 3.86 8.66      36.2 39.3 28.1
+    mlp (2026-12-08)    8.45 3.81 2.17      2.99 1.52 1.60      12.2 7.29 5.72
 Bias slope of drift against log parameters: |t| < 0.6 on c5m; chess +0.10-0.12 %/unit (t 1.7-3.7
 over sizes, 0.5-0.7 with the fit's jackknife error, L0 0.552 +- 0.018 against Qiu et al.'s
 0.542); tiny_spike -8 / +14 / +18 %/unit (t with the fit's error -1.0 / +3.3 / +4.7): its wider
 sizes fall much further after 30 % of training than the reference's, which no early prediction
-sees. docs/experiments.md has the figures over noise draws.
+sees; mlp (Qiu et al.'s MLPs, d384+d512 the reference) +2.0 / +2.2 / +2.0 %/unit (t with the fit's
+error +2.3 / +3.5 / +3.9), from an L0 that two neighbouring widths do not pin down.
+docs/experiments.md has the figures over noise draws and the mlp measurements.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 
 Source: the logs of Qiu et al. (2025, "Scaling collapse reveals universal dynamics in
 compute-optimally trained neural networks", arXiv 2507.02119), github.com/shikaiqiu/supercollapse,
-files logs/c5m.pkl (CIFAR-5M) and logs/chess.pkl: µP transformers, 8 widths (768-2048) x 5
+files logs/c5m.pkl (CIFAR-5M) and logs/chess.pkl, µP transformers of widths 768-2048, and
+logs/mlp.pkl, µP MLPs of widths 384-2048 regressing synthetic power-law data: 8 widths x 5
 seeds, linear decay to zero, each trained to its compute-optimal horizon; a pickled DataFrame
 with one row per run (width ``D``, parameters ``P``, ``seed``) and a ``history`` DataFrame of
 step, compute (PFLOPs), test_loss, lr. The data are not part of this repository: fetch them
@@ -23,9 +24,17 @@ import pandas as pd
 
 
 def curve_table(logs: pd.DataFrame) -> pd.DataFrame:
+    """One curve per (width, seed); logs/mlp.pkl lists 16 of its 40 runs twice, identically."""
     frames = []
+    seen: dict[tuple[int, int], pd.Series] = {}
     for _, row in logs.iterrows():
         history = row["history"]
+        key = (int(row["D"]), int(row["seed"]))
+        if key in seen:
+            if not seen[key].equals(history["test_loss"]):
+                raise SystemExit(f"width {key[0]} seed {key[1]} is logged twice, differently")
+            continue
+        seen[key] = history["test_loss"]
         history = history[history["step"] >= 1]  # step 0 is the initial loss; steps are 1-based
         width, seed = int(row["D"]), int(row["seed"])
         frames.append(
@@ -48,7 +57,9 @@ def curve_table(logs: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("logs", help="logs/c5m.pkl or logs/chess.pkl of Qiu et al.'s repository")
+    parser.add_argument(
+        "logs", help="logs/c5m.pkl, chess.pkl or mlp.pkl of Qiu et al.'s repository"
+    )
     parser.add_argument("out", help="curve table to write (.csv, .csv.gz)")
     args = parser.parse_args(argv)
     table = curve_table(pd.read_pickle(args.logs))
