@@ -9,7 +9,8 @@ predicted), which are cut at each fraction and predicted by every method of `col
 (collapse, drift, current, powerlaw). Printed per family, method and fraction: the mean
 absolute error (%), the mean signed error at the smallest and the largest predicted size, the
 slope of the per-size bias against log parameters with its t value (|t| > 2: the bias grows
-with size), the share of runs whose truth lies inside [lower, upper], and the selection regret:
+with size), the share of runs whose truth lies inside [lower, upper] and the bounds' mean half
+width (% of the truth), and the selection regret:
 each predicted size is a sweep of its runs (variants, or seeds where a family has none), the
 lowest prediction is selected, regret = its true final loss minus the best one's (nats/token,
 mean over sizes) and "found" the share of sizes where the best was selected.
@@ -112,6 +113,7 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
     fit_se = drift_slope_fit_se(done, curves, drift)
     slopes = bias_slope(by_size, fit_se).set_index(["method", "fraction"])
     inside = (done["lower"] <= done["true_final_loss"]) & (done["true_final_loss"] <= done["upper"])
+    half_width = 50 * (done["upper"] - done["lower"]) / done["true_final_loss"]
     sweeps = done.assign(sweep=done["run"].map(size_labels(curves.meta)))
     metrics = sweep_metrics(sweeps, truth_from_predictions(sweeps))
     rows = []
@@ -130,6 +132,7 @@ def evaluate(name: str, curves, reference_sizes: list[str]) -> pd.DataFrame:
                 "slope_t": slopes.loc[(method, fraction), "t"],
                 "slope_t_fit": slopes.loc[(method, fraction), "t_with_fit"],
                 "inside_bounds_pct": 100 * inside[group.index].mean(),
+                "half_width_pct": half_width[group.index].mean(),
                 "regret_nats": picked["regret_loss"].mean(),
                 "found_best_pct": 100 * picked["found_best"].astype(float).mean(),
             }

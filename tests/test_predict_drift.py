@@ -9,6 +9,7 @@ with or against hand arithmetic and scipy.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -17,7 +18,13 @@ from scipy import stats
 from synthetic import synthetic_family
 
 from collapse.curves import curves_from_frame, resample, smooth
-from collapse.drift import OFFSET_FLOOR, fit_drift, predict_drift
+from collapse.drift import (
+    FIT_SPAN_CHECKS,
+    OFFSET_FLOOR,
+    fit_drift,
+    fit_drift_jackknife,
+    predict_drift,
+)
 from collapse.predict import (
     DRIFT_METHOD,
     alignment_window,
@@ -139,6 +146,36 @@ def test_bounds_span_both_hypotheses():
     assert p.lower <= min(p.offset_only, p.continued_drift)
     assert p.upper >= max(p.offset_only, p.continued_drift)
     assert p.exponent == pytest.approx(fit.exponent(np.log(16e6)))
+
+
+def test_an_exact_offset_is_found_over_every_fit_span():
+    """Noise-free curves that collapse exactly after L0 = 1.5: every span pins the same L0."""
+    fit = fit_drift_jackknife(reference_matrix(family(offset=1.5)))
+    spans = fit.to_dict()["offset_L0_by_fit_span"]
+    assert len(spans) == 1 + len(FIT_SPAN_CHECKS) == len(fit.span_fits) + 1
+    assert list(spans.values()) == pytest.approx([1.5] * len(spans), abs=2e-3)
+
+
+def test_bounds_add_half_the_range_of_the_span_fits_predictions():
+    """The bound is the quadrature sum of the other terms and half the range of the three
+    spans' predictions, each span's prediction recomputed here from its own fit alone."""
+    curves = family(offset=1.0, slope=-0.03, noise=0.01, seeds=3)
+    fit = fit_drift_jackknife(reference_matrix(curves))
+    run = curves.data[curves.data["run"] == "s5_s0"]
+    keep = run["t_hat"] <= 0.3
+    args = (run["t_hat"][keep].to_numpy(), run["loss_smooth"][keep].to_numpy())
+    x, window = np.log(16e6), alignment_window(0.3)
+    full = predict_drift(*args, fit, x, window)
+    without = predict_drift(*args, replace(fit, span_fits=[]), x, window)
+    centers = [full.final_loss] + [
+        predict_drift(*args, replace(f, replicas=[]), x, window).final_loss for f in fit.span_fits
+    ]
+    half_range = 0.5 * (max(centers) - min(centers))
+    assert half_range > 0
+    assert full.final_loss == without.final_loss
+    expected = np.hypot(without.upper - without.final_loss, half_range)
+    assert full.upper - full.final_loss == pytest.approx(expected, rel=1e-9)
+    assert full.final_loss - full.lower == pytest.approx(expected, rel=1e-9)
 
 
 def test_bias_slope_matches_scipy():

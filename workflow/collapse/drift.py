@@ -52,6 +52,12 @@ OFFSET_CEILING = 1 - 1e-6  # L0 stays below the lowest reference final loss (num
 OFFSET_FLOOR = -1.0  # ... and above this multiple of it (a negative L0: larger sizes steeper)
 OFFSET_GRID_POINTS = 201  # L0 values tried before the bounded search refines the best one
 BOUND_TOLERANCE = 1e-4  # L0 this close to an end of its range (x the lowest final) is "at" it
+# Other t_hat spans the drift is fitted over, to measure how firmly the reference sizes pin L0
+# down: half the range of the predictions under the three spans' fits is part of the bounds.
+# Two neighbouring widths of Qiu et al.'s MLPs leave L0 anywhere in -0.0013 to 0.0068 over these
+# spans, and the 30 % predictions of the widest 14 % apart (docs/experiments.md); the jackknife
+# over seeds sees none of it.
+FIT_SPAN_CHECKS = ((0.1, 1.0), (0.5, 1.0))
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,9 @@ class DriftFit:
     spread_with_offset: float = float("nan")
     notes: list[str] = field(default_factory=list)
     replicas: list[DriftFit] = field(default_factory=list)  # jackknife: one reference run out
+    span_fits: list[DriftFit] = field(default_factory=list)  # over FIT_SPAN_CHECKS
     size_shapes: np.ndarray | None = None  # log ell of each reference size's mean, on t_hat
+    fit_range: tuple[float, float] = DRIFT_FIT_RANGE  # the t_hat span L0 and a were fitted on
 
     @property
     def offset_se(self) -> float:
@@ -125,6 +133,9 @@ class DriftFit:
             "jackknife_offset_L0": [r.offset for r in self.replicas],
             "offset_L0_jackknife_se": self.offset_se,
             "jackknife_exponent_slope": [r.slope for r in self.replicas],
+            "offset_L0_by_fit_span": {
+                _span_name(f.fit_range): f.offset for f in [self, *self.span_fits]
+            },
             "notes": list(self.notes),
         }
 
@@ -236,6 +247,10 @@ def _offset_bound_notes(offset: float, floor: float) -> list[str]:
     ]
 
 
+def _span_name(span: tuple[float, float]) -> str:
+    return f"{span[0]:g}-{span[1]:g}"
+
+
 def _exponent(log_ell: np.ndarray, shape: np.ndarray) -> float:
     """a in log ell_i = c_i + a * g: the slope of a size's log ell against the mean shape.
 
@@ -305,19 +320,22 @@ def fit_drift(
         spread_with_offset=spread(fitted) if len(sizes) > 1 else float("nan"),
         notes=notes,
         size_shapes=logs,
+        fit_range=tuple(fit_range),
     )
 
 
 def fit_drift_jackknife(matrix: CurveMatrix) -> DriftFit:
-    """``fit_drift`` plus its replicas with each reference run left out in turn.
+    """``fit_drift`` plus its replicas with each reference run left out in turn, and its fits
+    over the other spans of FIT_SPAN_CHECKS.
 
-    The replicas measure how much L0 and the slope rest on single seeds: ``predict_drift``
-    adds their jackknife spread to the bounds. A run is left out only where its size keeps
-    another run.
+    The replicas measure how much L0 and the slope rest on single seeds, the span fits how much
+    they rest on the stretch of the curves compared: ``predict_drift`` adds both spreads to the
+    bounds. A run is left out only where its size keeps another run.
     """
     fit = fit_drift(matrix)
     if len(fit.sizes) < 2:
         return fit
+    fit = replace(fit, span_fits=[fit_drift(matrix, fit_range=span) for span in FIT_SPAN_CHECKS])
     labels = size_labels(matrix.meta).to_numpy()
     replicas = []
     for i in range(len(labels)):
@@ -353,8 +371,9 @@ def predict_drift(
 
     Each hypothesis aligns L - L0 with its shape over ``window`` in log space
     (``reference.early_align``); the prediction is their mean. Bounds: the half difference of
-    the two, the z-sigma misfit of the alignment and z times the jackknife standard error over
-    the fit's replicas (``fit_drift_jackknife``), combined in quadrature.
+    the two, the z-sigma misfit of the alignment, z times the jackknife standard error over
+    the fit's replicas and half the range of the predictions under the fits over other t_hat
+    spans (``fit_drift_jackknife``), combined in quadrature.
     """
 
     def both_hypotheses(f: DriftFit):
@@ -372,7 +391,13 @@ def predict_drift(
         )
         n = len(values)
         jackknife = z * float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
-    half = float(np.linalg.norm([0.5 * abs(both.final_loss - flat.final_loss), misfit, jackknife]))
+    by_span = [center] + [
+        0.5 * sum(p.final_loss for p in both_hypotheses(f)) for f in fit.span_fits
+    ]
+    span = 0.5 * (max(by_span) - min(by_span))
+    half = float(
+        np.linalg.norm([0.5 * abs(both.final_loss - flat.final_loss), misfit, jackknife, span])
+    )
     return DriftPrediction(
         final_loss=float(center),
         lower=float(center - half),

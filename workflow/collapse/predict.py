@@ -646,6 +646,12 @@ def _fit_drift_for_cli(curves: Curves, reference_runs, targets) -> DriftFit | No
         f"x = {drift.coordinate}; relative spread of the reference sizes' log ell "
         f"{drift.spread_without_offset:.3g} without L0, {drift.spread_with_offset:.3g} with it"
     )
+    if drift.span_fits:
+        spans = ", ".join(
+            f"{name} {value:.5g}"
+            for name, value in drift.to_dict()["offset_L0_by_fit_span"].items()
+        )
+        print(f"L0 fitted over other t_hat spans (their spread widens the bounds): {spans}")
     for note in drift.notes:
         print(f"note: {note}", file=sys.stderr)
     return drift

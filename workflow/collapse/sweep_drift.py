@@ -109,7 +109,8 @@ def transfer(
     ``ell(x)`` continues from there by the exponent, ell_stop ** (a(x) / a(x_stop)): the two
     hypotheses ``drift.predict_drift`` averages, equal inside the fitted sizes. The ratio is
     meant for the early alignment window; near t_hat 1, where D tends to 0, it is noise (NaN at
-    t_hat 1). The jackknife replicas move alike, each with its own L0, slope and measured shapes.
+    t_hat 1). The jackknife replicas and the fits over other spans move alike, each with its own
+    L0, slope and measured shapes.
     """
     matrix = resample(curves.select(reference_runs))
     x_near = stop_point(fit, x_reference)
@@ -134,7 +135,11 @@ def transfer(
             shape=log_ell * a_near / a_ref * measured,
         )
 
-    return replace(moved(fit), replicas=[moved(r) for r in fit.replicas])
+    return replace(
+        moved(fit),
+        replicas=[moved(r) for r in fit.replicas],
+        span_fits=[moved(f) for f in fit.span_fits],
+    )
 
 
 def stop_point(fit: DriftFit, x: float) -> float:
