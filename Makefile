@@ -9,7 +9,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # The default test run plus the end-to-end tests CI can afford (marked `ci`).
 PYTEST_SELECT ?= not slow or ci
 
-.PHONY: setup run plan test lint format bench clean-results
+.PHONY: setup run plan test lint format bench
 
 setup: $(VENV)/.installed
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_sweep.py                      # the tiny family's tau sweep
     python benchmarks/bench_sweep.py --family smoke --cores 2
-    python benchmarks/bench_sweep.py --overrides '+family.sweeps.0.reference_seeds=[0,1,2]'
+    python benchmarks/bench_sweep.py --overrides 'family.sweeps.0.reference_seeds=[0]'
 
 Runs (or finds already run) the sweep's Snakemake target with every variant trained to the end
 (``validate_full``, switched on here when the family stops its sweep early: the variants then
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         metavar="'A=1 B=2'",
         help="more Hydra overrides, space-separated, "
-        "e.g. '+family.sweeps.0.reference_seeds=[0,1,2]'",
+        "e.g. 'family.sweeps.0.reference_seeds=[0]' (one seed per sweep reference)",
     )
     args = parser.parse_args(argv)
     cfg = load_config([f"family={args.family}"])

@@ -862,8 +862,9 @@ def add_cli(subparsers) -> None:
         "--runs",
         default=None,
         metavar="TABLE",
-        help="per-run metadata table (CSV/Parquet/YAML with a run column): size, tpp, tau, "
-        "steps of runs read from logs that lack them",
+        help="per-run metadata table (CSV/Parquet/YAML with a run column): size, params, seed, "
+        "tpp, tau, steps, schedule, batch_seqs, warmup_steps of runs read from logs that lack "
+        "them",
     )
     parser.add_argument(
         "--loss-tag",

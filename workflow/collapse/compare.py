@@ -161,8 +161,11 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "compare",
         help="several families' collapse side by side (Delta/sigma, gates, curve shape)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Put several families' collapse side by side: what their collapse and gate "
+        "jobs wrote (Delta against sigma, the supercollapse verdict, gates passed, the worst "
+        "residual), in comparison.csv, comparison.md and comparison.png under --out. Each "
+        "family is a folder results/<family> of its own, e.g. tiny with one change made by a "
+        "Hydra override and its own family.name; docs/experiments.md records such a search.",
     )
     p.add_argument("roots", nargs="+", type=Path, help="results/<family> folders")
     p.add_argument(

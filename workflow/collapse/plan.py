@@ -1113,7 +1113,8 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         help="validate a family spec and write its compute plan",
         description="Compose the family and cluster configs (Hydra), validate them, derive every "
         "run's hyperparameters and write results/<family>/plan/: one spec per run, runs.csv, "
-        "report.md and plan.png. Nothing is written when the spec is invalid.",
+        "report.md, plan.png, and config.json and data.json (the resolved configs). Nothing is "
+        "written when the spec is invalid.",
     )
     p.add_argument(
         "overrides",

@@ -527,7 +527,7 @@ INPUT_FORMAT = """\
 input (CURVES, the same as `collapse analyze`):
   CSV (.csv, .csv.gz, .tsv) or Parquet files with one row per logged step and columns
     run    run name
-    step   optimizer step, 1-based
+    step   optimizer step (counted from 0 or 1)
     loss   training loss of the step (nats/token)
   optional per-step columns: tokens, t_hat (step / total steps of the full schedule);
   optional per-run metadata columns (constant within a run): size or params (what
@@ -549,15 +549,17 @@ method:
     current    the smoothed loss at F
     powerlaw   L(t) = a + b t^-c fitted on the window (a >= L0, b >= 0), extrapolated to 1
   lower/upper: collapse: 2-sigma misfit and reference band; drift: half the gap between its
-  two hypotheses, the 2-sigma misfit and 2 jackknife standard errors (each reference run left
-  out in turn); current: noise of the reading; powerlaw: every exponent that fits within
+  two hypotheses, the 2-sigma misfit, 2 jackknife standard errors (each reference run left
+  out in turn) and half the range of its predictions with L0 fitted over t_hat 0.1-1, 0.2-1 and
+  0.5-1; current: noise of the reading; powerlaw: every exponent that fits within
   twice the best squared error.
 
 output: OUT/predictions.csv with columns run, fraction, predicted_final_loss, lower, upper,
   method, true_final_loss, abs_error_pct (the last two NaN for runs that are not complete);
-  with --reference-sizes also OUT/drift.json (the fitted L0, exponent slope, each reference
-  size's exponent) and, for complete runs, OUT/bias_by_size.csv (mean signed error per
-  method, fraction and size, and the exponent the drift method assumed there); with three or
+  for complete runs OUT/bias_by_size.csv (mean signed error per method, fraction and size,
+  and the exponent the drift method assumed there); with --reference-sizes also
+  OUT/drift.json (the fitted L0, also per fit span, exponent slope, each reference size's
+  exponent); with three or
   more reference sizes also OUT/held_out.csv: the largest of them predicted from the others
   by the collapse and drift methods, an extrapolation whose truth is known;
   with --sweep-report also OUT/sweep_metrics.{csv,md,png,pdf}.
@@ -608,10 +610,13 @@ def add_cli(subparsers) -> None:
         help="irreducible loss subtracted before normalizing (default 0, the paper's choice)",
     )
     parser.add_argument(
-        "--runs-csv",
         "--runs",
+        "--runs-csv",
+        dest="runs_csv",
         type=Path,
-        help="per-run metadata table with a run column (CSV/Parquet/YAML)",
+        metavar="TABLE",
+        help="per-run metadata table with a run column (CSV/Parquet/YAML): size, params, "
+        "steps, tpp, tau, seed, sweep of runs whose curves lack them",
     )
     parser.add_argument(
         "--loss-tag",

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from collapse.evaluate import DEFAULT_BATCH_SIZE
 from collapse.roles import Role
 
 
@@ -41,6 +42,7 @@ def _collapse(args: argparse.Namespace) -> int:
     from collapse.analysis import family_statistics
 
     stats = family_statistics(args.curves, args.runs, args.out, reference=args.reference)
+    print(f"band TPP {args.band}, reference sizes {args.sizes or 'none given'}:")
     print(json.dumps({"supercollapse": stats.to_dict().get("supercollapse")}))
     return 0
 
@@ -196,22 +198,26 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_reference)
 
     p = sub.add_parser("gate", help="one run's residual against its reference: verdict + plot")
-    p.add_argument("--curve", type=Path, required=True)
+    p.add_argument("--curve", type=Path, required=True, help="the run's curve.parquet")
     p.add_argument("--reference", type=Path, required=True, help="reference.csv")
     p.add_argument("--runs", type=Path, required=True, help="plan/runs.csv")
-    p.add_argument("--policy", default="{}", help="gate policy as JSON (family.gates)")
+    p.add_argument(
+        "--policy",
+        default="{}",
+        help="gate policy as JSON (family.gates; default: {}, the defaults)",
+    )
     p.add_argument("--allow-fail", action="store_true", help="record a failure, do not block")
     p.add_argument("--out", type=Path, required=True, help="verdict JSON")
     p.add_argument("--plot", type=Path, required=True, help="evidence PNG")
     p.set_defaults(func=_gate)
 
     p = sub.add_parser("collapse", help="Delta vs sigma and the supercollapse verdict of a band")
-    p.add_argument("curves", nargs="+", type=Path)
-    p.add_argument("--runs", type=Path, required=True)
-    p.add_argument("--sizes", default="", help="reference sizes (for the log)")
-    p.add_argument("--band", required=True)
+    p.add_argument("curves", nargs="+", type=Path, help="curve.parquet of the band's runs")
+    p.add_argument("--runs", type=Path, required=True, help="plan/runs.csv (run metadata)")
+    p.add_argument("--sizes", default="", help="reference sizes, comma-separated (for the log)")
+    p.add_argument("--band", required=True, help="the TPP band (for the log)")
     p.add_argument("--reference", type=Path, default=None, help="reference.csv")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
     p.set_defaults(func=_collapse)
 
     p = sub.add_parser("share", help="a run's outputs from the family run it duplicates")
@@ -228,24 +234,35 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
         help="variants, their sweep_reference runs, and the family runs the size drift is "
         "fitted on (collapse.sweep_drift.drift_fit_runs)",
     )
-    p.add_argument("--runs", type=Path, required=True)
-    p.add_argument("--fractions", type=float, nargs="+", required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--runs", type=Path, required=True, help="plan/runs.csv (run metadata)")
+    p.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        required=True,
+        help="fractions of training to predict from (family.sweeps' fractions)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="output directory")
     p.set_defaults(func=_sweep)
 
     p = sub.add_parser("evaluate", help="held-out loss and downstream tasks of a gated run")
-    p.add_argument("--spec", type=Path, required=True)
+    p.add_argument("--spec", type=Path, required=True, help="the run's spec (plan/runs/<run>.json)")
     p.add_argument("--gate", type=Path, required=True, help="the run's gate verdict")
     p.add_argument("--limit", type=int, default=None, help="examples per task (CPU)")
-    p.add_argument("--tasks", default="", help="comma-separated task names (default: all seven)")
+    p.add_argument(
+        "--tasks",
+        default="",
+        help="task names, comma-separated (unlike `collapse evaluate --tasks`, which takes them "
+        "space-separated; default: all seven)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
         default=None,
-        help="scoring windows per forward pass (default: the evaluator's; the plan sizes it to "
-        "the GPU)",
+        help=f"scoring windows per forward pass (default {DEFAULT_BATCH_SIZE}; the plan sizes it "
+        "to the GPU)",
     )
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="the run's evaluation JSON")
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser(
@@ -260,5 +277,10 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("report", help="every figure and table of a family")
     p.add_argument("--root", type=Path, required=True, help="results/<family>")
-    p.add_argument("--out", type=Path, required=True, help="report/index.md")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="path of the report's index.md (its folder receives every file)",
+    )
     p.set_defaults(func=_report)
