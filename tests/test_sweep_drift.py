@@ -12,6 +12,7 @@ method fits it on s96 and s160 and must recover the final losses and pick the wi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -196,6 +197,12 @@ def test_the_moved_shape_takes_the_measured_ratio_and_continues_by_the_exponent(
     continued = stopped * a(x_big) / a(x_160)
     assert np.log(moved.ell(x_big))[ok] == pytest.approx(continued[ok], rel=1e-9)
     assert len(moved.replicas) == len(fit.replicas) == 3  # one per s96 seed left out
+    assert len(moved.span_fits) == len(fit.span_fits) == 2
+
+    # a span fit whose exponent is negative at the run's size is left out, the prediction kept
+    steep = replace(fit.span_fits[0], slope=-2.0 / (x_big - fit.span_fits[0].x_ref))
+    kept = transfer(replace(fit, span_fits=[steep]), curves, [ref], x_r, x_big)
+    assert kept.span_fits == [] and kept.offset == fit.offset
 
 
 def test_tiny_sweep_fits_its_drift_on_d96_and_d160():

@@ -391,9 +391,14 @@ def predict_drift(
         )
         n = len(values)
         jackknife = z * float(np.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
-    by_span = [center] + [
-        0.5 * sum(p.final_loss for p in both_hypotheses(f)) for f in fit.span_fits
-    ]
+    by_span = [center]
+    for f in fit.span_fits:
+        try:
+            value = 0.5 * sum(p.final_loss for p in both_hypotheses(f))
+        except ValueError:  # a check on L0, not the prediction: one that cannot align is left out
+            continue
+        if np.isfinite(value):
+            by_span.append(value)
     span = 0.5 * (max(by_span) - min(by_span))
     half = float(
         np.linalg.norm([0.5 * abs(both.final_loss - flat.final_loss), misfit, jackknife, span])
