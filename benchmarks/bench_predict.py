@@ -27,24 +27,25 @@ drift method's mean bias slope over the draws is printed with its standard error
 slope also carries that draw's error in the fitted L0, which every predicted size shares (the
 column slope_t_fit counts it through the fit's jackknife error).
 
-Measured (2 CPU cores, 2026-12-07; c5m and chess from published_curves.py, d768+d896 the
+Measured (2 CPU cores, 2026-12-07 and -08; c5m and chess from published_curves.py, d768+d896 the
 reference; tiny_spike from benchmarks/data, d48+d64 the reference and d80-d112 predicted, a CPU
 family that does not collapse), mean absolute error (%) of the final loss at 10 / 20 / 30 %:
     family              collapse            drift               best baseline (powerlaw)
     synthetic offset    1.37 1.32 1.23      0.25 0.24 0.23      10.2 8.55 4.96
-    synthetic exponent  1.00 0.96 0.92      0.51 0.49 0.48      20.5 17.3 10.3
+    synthetic exponent  1.00 0.96 0.92      0.75 0.71 0.69      20.5 17.3 10.3
     synthetic both      1.49 1.43 1.34      0.27 0.26 0.26      12.0 10.1 5.88
     c5m                 1.09 0.51 0.35      0.10 0.03 0.01      0.49 0.17 0.11
     chess               2.98 1.89 1.47      0.22 0.08 0.06      1.12 0.45 0.28
     tiny_spike          10.0 13.2 15.8      4.66 3.86 8.66      36.2 39.3 28.1
-    mlp (2026-12-08)    8.45 3.81 2.17      2.99 1.52 1.60      12.2 7.29 5.72
+    mlp (2026-12-08)    8.45 3.81 2.17      6.11 2.06 0.77      12.2 7.29 5.72
 Bias slope of drift against log parameters: |t| < 0.6 on c5m; chess +0.10-0.12 %/unit (t 1.7-3.7
 over sizes, 0.5-0.7 with the fit's jackknife error, L0 0.552 +- 0.018 against Qiu et al.'s
 0.542); tiny_spike -8 / +14 / +18 %/unit (t with the fit's error -1.0 / +3.3 / +4.7): its wider
 sizes fall much further after 30 % of training than the reference's, which no early prediction
-sees; mlp (Qiu et al.'s MLPs, d384+d512 the reference) +2.0 / +2.2 / +2.0 %/unit (t with the fit's
-error +2.3 / +3.5 / +3.9), from an L0 that two neighbouring widths do not pin down.
-docs/experiments.md has the figures over noise draws and the mlp measurements.
+sees; mlp (Qiu et al.'s MLPs, d384+d512 the reference) t with the fit's error -0.1 / +0.2 / +0.2
+(+2.3 / +3.5 / +3.9 before the fit kept L0 only where it improves the collapse; the synthetic
+exponent family's MAE was 0.51 / 0.49 / 0.48 before). docs/experiments.md has the figures over
+noise draws and the mlp measurements.
 """
 
 from __future__ import annotations

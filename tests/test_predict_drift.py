@@ -70,6 +70,15 @@ def test_recovers_a_known_offset_and_no_exponent_drift():
     assert fit.notes == []
 
 
+def test_an_offset_that_does_not_improve_the_collapse_is_not_used():
+    """Curves that collapse exactly without an offset: the spread of log ell is 0 at L0 = 0,
+    so no fitted L0 can lower it, and the fit keeps L0 = 0 and says why."""
+    fit = fit_drift(reference_matrix(family()))
+    assert fit.offset == 0.0
+    assert fit.spread_without_offset == pytest.approx(0.0, abs=1e-20)
+    assert len(fit.notes) == 1 and "L0 = 0 is used" in fit.notes[0]
+
+
 def test_curves_that_differ_by_a_constant_put_L0_at_its_floor_and_say_so():
     """s2 = s1 - 0.2 nats at every step: L - L0 is proportional across them only as L0 -> -inf,
     so the fit stops at the lower end of its range, -1 x the lowest final loss, and says so."""

@@ -16,7 +16,12 @@ offset L0
     the losses is penalized, and one far below them tends to curves that differ by a constant).
     The scale is fitted, not read from the final losses, so that the noise of one smoothed
     point does not decide L0. A negative L0 is allowed: it is what a family whose larger sizes
-    are steeper needs, a fitting device rather than an irreducible loss.
+    are steeper needs, a fitting device rather than an irreducible loss. L0 is kept only if it
+    brings the sizes' normalized curves closer together (the relative spread of log ell over
+    the same span) than L0 = 0; else it is 0. Two neighbouring sizes whose curves already
+    collapse leave the fitting error flat in L0, and the L0 it then picks moves every larger
+    size's prediction with it (Qiu et al.'s MLPs: 0.0040 fitted, where their 8 widths' final
+    losses give 0.0013, and a bias that grew with width; docs/experiments.md).
 exponent drift
     What L0 leaves: each reference size's log ell is fitted as a_i * g(t_hat), g the mean over
     sizes, and a_i = 1 + slope * (x_i - x_ref) with x = log parameters (else log FLOPs, else
@@ -296,7 +301,16 @@ def fit_drift(
         fitted = 0.0 if offset is None else float(offset)
     elif offset is None:
         fitted = _fit_offset(_size_mean_losses(matrix, labels, sizes, cols), float(np.min(final)))
-        notes.extend(_offset_bound_notes(fitted, float(np.min(final))))
+        with_offset, without = spread(fitted), spread(0.0)
+        if with_offset < without:
+            notes.extend(_offset_bound_notes(fitted, float(np.min(final))))
+        else:
+            notes.append(
+                f"the fitted L0 = {fitted:.4g} does not bring the reference sizes' curves closer "
+                f"together than L0 = 0 (relative spread of log ell {with_offset:.3g} against "
+                f"{without:.3g}), so L0 = 0 is used and the drift is left to the shape exponent"
+            )
+            fitted = 0.0
     else:
         fitted = float(offset)
     logs = _log_size_means(matrix, labels, sizes, fitted)
