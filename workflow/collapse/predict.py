@@ -545,8 +545,8 @@ method:
     drift      (with --reference-sizes of two or more sizes) collapse with what the reference
                sizes show about size: a fitted offset L0 (0 unless it brings their curves
                closer together) and a drift of the shape exponent with log parameters (else
-               log flops, else the size label's number); the mean of the
-               "offset only" and "drift continues" predictions
+               log flops, else the size label's number); the mean of the "offset only"
+               and "drift continues" predictions
     current    the smoothed loss at F
     powerlaw   L(t) = a + b t^-c fitted on the window (a >= L0, b >= 0), extrapolated to 1
   lower/upper: collapse: 2-sigma misfit and reference band; drift: half the gap between its
