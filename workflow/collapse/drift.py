@@ -59,9 +59,9 @@ OFFSET_GRID_POINTS = 201  # L0 values tried before the bounded search refines th
 BOUND_TOLERANCE = 1e-4  # L0 this close to an end of its range (x the lowest final) is "at" it
 # Other t_hat spans the drift is fitted over, to measure how firmly the reference sizes pin L0
 # down: half the range of the predictions under the three spans' fits is part of the bounds.
-# Two neighbouring widths of Qiu et al.'s MLPs leave L0 anywhere in -0.0013 to 0.0068 over these
-# spans, and the 30 % predictions of the widest 14 % apart (docs/experiments.md); the jackknife
-# over seeds sees none of it.
+# Two neighbouring widths of Qiu et al.'s MLPs left L0 anywhere in -0.0013 to 0.0068 over these
+# spans, and the 30 % predictions of the widest 14 % apart (measured before L0 had to lower the
+# spread; docs/experiments.md); the jackknife over seeds sees none of it.
 FIT_SPAN_CHECKS = ((0.1, 1.0), (0.5, 1.0))
 
 
@@ -299,9 +299,11 @@ def fit_drift(
             "give two or more reference sizes"
         )
         fitted = 0.0 if offset is None else float(offset)
+        spreads = (float("nan"), float("nan"))
     elif offset is None:
         fitted = _fit_offset(_size_mean_losses(matrix, labels, sizes, cols), float(np.min(final)))
         with_offset, without = spread(fitted), spread(0.0)
+        spreads = (without, with_offset)
         if with_offset < without:
             notes.extend(_offset_bound_notes(fitted, float(np.min(final))))
         else:
@@ -310,9 +312,10 @@ def fit_drift(
                 f"together than L0 = 0 (relative spread of log ell {with_offset:.3g} against "
                 f"{without:.3g}), so L0 = 0 is used and the drift is left to the shape exponent"
             )
-            fitted = 0.0
+            fitted, spreads = 0.0, (without, without)
     else:
         fitted = float(offset)
+        spreads = (spread(0.0), spread(fitted))
     logs = _log_size_means(matrix, labels, sizes, fitted)
     with nan_columns_expected():
         shape = np.nanmean(logs, axis=0)
@@ -330,8 +333,8 @@ def fit_drift(
         sizes=[str(s) for s in sizes],
         size_x=size_x,
         exponents=exponents,
-        spread_without_offset=spread(0.0) if len(sizes) > 1 else float("nan"),
-        spread_with_offset=spread(fitted) if len(sizes) > 1 else float("nan"),
+        spread_without_offset=spreads[0],
+        spread_with_offset=spreads[1],
         notes=notes,
         size_shapes=logs,
         fit_range=tuple(fit_range),

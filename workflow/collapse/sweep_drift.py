@@ -138,21 +138,17 @@ def transfer(
     return replace(
         moved(fit),
         replicas=[moved(r) for r in fit.replicas],
-        span_fits=[m for m in map(_moved_or_none(moved), fit.span_fits) if m is not None],
+        span_fits=[m for f in fit.span_fits if (m := _moved_or_none(moved, f)) is not None],
     )
 
 
-def _moved_or_none(moved):
+def _moved_or_none(moved, fit: DriftFit) -> DriftFit | None:
     """A span fit whose exponent cannot reach a sweep run's size is left out of the bounds
     rather than stopping the sweep: it is a check on L0, not the prediction."""
-
-    def attempt(f: DriftFit) -> DriftFit | None:
-        try:
-            return moved(f)
-        except ValueError:
-            return None
-
-    return attempt
+    try:
+        return moved(fit)
+    except ValueError:
+        return None
 
 
 def stop_point(fit: DriftFit, x: float) -> float:
